@@ -1,0 +1,118 @@
+"""Attention over a packed step: what the model calls once per layer.
+
+A step packs decode rows first (one query token each) and then prefill segments (a run of a
+sequence's prompt tokens, possibly a chunk that follows tokens already cached). Every token has a
+*flat slot*: ``block_id * block_size + offset`` in the layer's pool, viewed as
+``[total_slots, n_kv_heads, head_dim]``. Both cache kinds reduce to that: a slot cache is a pool
+whose one "block" per sequence is ``max_model_len`` long.
+
+Invariants:
+- ``attend`` writes this step's K/V to ``slot_mapping`` before it reads, so a decode row sees its
+  own token and a prefill chunk sees itself.
+- Gather indices past a row's length point at the scratch slot, which no sequence owns; the
+  additive mask hides them, so padding never changes a result.
+- Nothing here syncs with the device: indices were built once per step, before the first layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class PrefillSegment:
+    """Tokens ``[start, start + n)`` of one sequence, at rows ``[row, row + n)`` of the step."""
+
+    row: int
+    n: int
+    start: int
+    gather_idx: Tensor | None  # flat slots of positions [0, start + n) when start > 0
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """q [B, H, D]; k, v [B, L, Hkv, D]; mask [B, 1, 1, L] bool (True = attend).
+
+    Grouped-query heads ride in SDPA's query-length axis ([B, Hkv, G, D]), so K/V are never
+    repeated per query head.
+    """
+    b, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.view(b, hkv, h // hkv, d)
+    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.reshape(b, h, d)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
+    """One sequence: q [n, H, D] at positions [start, start+n); k, v [start+n, Hkv, D]."""
+    n, h, _ = q.shape
+    s, hkv = k.shape[0], k.shape[1]
+    if hkv != h:
+        k = k.repeat_interleave(h // hkv, dim=1)
+        v = v.repeat_interleave(h // hkv, dim=1)
+    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if start == 0:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    else:
+        qpos = torch.arange(start, start + n, device=q.device)
+        mask = torch.arange(s, device=q.device)[None, :] <= qpos[:, None]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+    return out[0].transpose(0, 1)
+
+
+class StepAttention:
+    """Per-step attention state over a cache's K/V pools (one flat pool per layer)."""
+
+    def __init__(
+        self,
+        k_pools: list[Tensor],
+        v_pools: list[Tensor],
+        slot_mapping: Tensor,
+        n_decode: int,
+        decode_idx: Tensor | None,
+        decode_mask: Tensor | None,
+        segments: list[PrefillSegment],
+    ):
+        self.k_pools, self.v_pools = k_pools, v_pools
+        self.slot_mapping = slot_mapping
+        self.n_decode = n_decode
+        self.decode_idx, self.decode_mask = decode_idx, decode_mask
+        self.segments = segments
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kp, vp = self.k_pools[layer], self.v_pools[layer]
+        kp.index_copy_(0, self.slot_mapping, k)
+        vp.index_copy_(0, self.slot_mapping, v)
+        outs = []
+        nd = self.n_decode
+        if nd:
+            b, l = self.decode_idx.shape
+            flat = self.decode_idx.reshape(-1)
+            kc = kp.index_select(0, flat).view(b, l, *kp.shape[1:])
+            vc = vp.index_select(0, flat).view(b, l, *vp.shape[1:])
+            outs.append(decode_attention(q[:nd], kc, vc, self.decode_mask))
+        for seg in self.segments:
+            rows = slice(seg.row, seg.row + seg.n)
+            if seg.gather_idx is None:  # fresh prompt: its own K/V are all there is
+                outs.append(causal_attention(q[rows], k[rows], v[rows]))
+            else:
+                kc, vc = kp.index_select(0, seg.gather_idx), vp.index_select(0, seg.gather_idx)
+                outs.append(causal_attention(q[rows], kc, vc, seg.start))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class NoCacheAttention:
+    """The reference: full causal attention over packed whole sequences, nothing stored."""
+
+    def __init__(self, seq_lens: list[int]):
+        self.seq_lens = seq_lens
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        outs, row = [], 0
+        for n in self.seq_lens:
+            outs.append(causal_attention(q[row : row + n], k[row : row + n], v[row : row + n]))
+            row += n
+        return torch.cat(outs)

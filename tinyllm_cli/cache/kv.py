@@ -1,0 +1,256 @@
+"""Paged and slot KV caches.
+
+The paged cache is virtual memory for K/V. A sequence's *block table* is its page table: logical
+block j -> physical block id, and token t lives at ``(table[t // block_size], t % block_size)``.
+One table serves every layer (block b holds the same positions in each layer's pool). Blocks are
+allocated as a sequence grows, never reserved up front, and all blocks are the same size, so any
+free block fits any sequence: no external fragmentation, and at most ``block_size - 1`` unused
+slots per sequence (its last, partly filled block).
+
+The slot cache is the same machinery with one block of ``max_model_len`` tokens per sequence,
+taken whole at admission: simple, but every sequence pays for the longest one it could become.
+
+Invariants (checked by the property tests):
+- free + used blocks = ``num_blocks``; no block is in two tables.
+- ``len(table) == ceil(capacity / block_size)`` where capacity >= stored tokens, and unused
+  slots per sequence stay below ``block_size`` for the paged cache.
+- The scratch block (id ``num_blocks``) is never allocated: padded gather indices point there.
+- Bookkeeping (tables, lengths, free list) lives on the host as Python lists; the device only
+  sees the per-step index tensors built in ``plan_step``, copied once per step, never per row.
+- When a decode step needs more blocks than are free, the *newest* sequences are preempted: they
+  have done the least work, so recomputing them wastes the least (vLLM's recompute policy).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..model.llama import ModelConfig
+from .allocator import BlockAllocator
+from .attention import PrefillSegment, StepAttention
+
+
+class CacheError(ValueError):
+    """A cache that cannot be built as asked (too large, too small)."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512MiB', '2GB', '1.5GiB', '1048576' -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip()
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+             "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+    num = s.rstrip("kKmMgGiIbB")
+    unit = s[len(num):].strip().lower()
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise CacheError(f"cannot read {text!r} as a memory size (examples: 512MiB, 2GiB, 1000000)")
+    return int(value * units[unit])
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+@dataclass
+class CacheUsage:
+    """A snapshot for stats; cheap (no device work)."""
+
+    blocks_used: int
+    blocks_free: int
+    tokens_stored: int
+    slots_allocated: int
+
+    @property
+    def wasted_slots(self) -> int:
+        return self.slots_allocated - self.tokens_stored
+
+    @property
+    def utilization(self) -> float:
+        return self.tokens_stored / self.slots_allocated if self.slots_allocated else 0.0
+
+
+class PagedKVCache:
+    kind = "paged"
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, scratch_slots: int | None = None):
+        if block_size <= 0 or num_blocks <= 0:
+            raise CacheError("block_size and num_blocks must be positive")
+        self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
+        self.device, self.dtype = torch.device(device), dtype
+        self.bytes_per_token = cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        self.kv_bytes = num_blocks * block_size * self.bytes_per_token
+        # The scratch block follows the real ones; the slot cache needs only one scratch slot.
+        self.scratch_slot = num_blocks * block_size
+        total = self.scratch_slot + (block_size if scratch_slots is None else scratch_slots)
+        need = total * self.bytes_per_token
+        if need > available_memory(self.device):
+            raise CacheError(
+                f"the KV cache needs {need / 2**20:.0f} MiB but only "
+                f"{available_memory(self.device) / 2**20:.0f} MiB are available on {self.device}")
+        shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    # ---- sizing -------------------------------------------------------------------------
+
+    @classmethod
+    def from_budget(cls, cfg, kv_bytes: int, block_size: int, dtype, device, **kw) -> "PagedKVCache":
+        per_block = block_size * cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        n = kv_bytes // per_block
+        if n < 1:
+            raise CacheError(f"a KV budget of {kv_bytes} bytes holds no block of {per_block} bytes")
+        return cls(cfg, int(n), block_size, dtype, device, **kw)
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return math.ceil(n_tokens / self.block_size)
+
+    def fits_alone(self, n_tokens: int) -> bool:
+        """Could ``n_tokens`` positions fit if this sequence had the whole pool to itself?"""
+        return self.blocks_for(n_tokens) <= self.num_blocks
+
+    # ---- check / act pairs for the scheduler -------------------------------------------
+
+    def can_admit(self, n_tokens: int) -> bool:
+        return self.allocator.can_allocate(self.blocks_for(n_tokens))
+
+    def admit(self, seq_id: int, n_tokens: int) -> None:
+        """Take blocks for ``n_tokens`` positions (prompt plus the first generated token)."""
+        if seq_id in self.tables:
+            raise CacheError(f"sequence {seq_id} is already in the cache")
+        self.tables[seq_id] = self.allocator.allocate(self.blocks_for(n_tokens))
+        self.lens[seq_id] = 0
+
+    def blocks_to_grow(self, seq_id: int, n_tokens: int) -> int:
+        return max(0, self.blocks_for(n_tokens) - len(self.tables[seq_id]))
+
+    def grow(self, seq_id: int, n_tokens: int) -> None:
+        extra = self.blocks_to_grow(seq_id, n_tokens)
+        if extra:
+            self.tables[seq_id].extend(self.allocator.allocate(extra))
+
+    def release(self, seq_id: int) -> None:
+        self.allocator.free(self.tables.pop(seq_id))
+        del self.lens[seq_id]
+
+    def reserve(self, needs: list[tuple[int, int]]) -> list[int]:
+        """Grow each ``(seq_id, n_tokens)`` (oldest first) to hold ``n_tokens`` positions.
+
+        When the free blocks do not cover every growth, sequences are preempted from the newest
+        end (their blocks freed) until the rest fit; returns the preempted ids, newest first.
+        A lone sequence that cannot grow is preempted too: the caller decides its fate.
+        """
+        live = list(needs)
+        preempted: list[int] = []
+        while live:
+            need = sum(self.blocks_to_grow(s, n) for s, n in live)
+            if self.allocator.can_allocate(need):
+                break
+            victim, _ = live.pop()
+            self.release(victim)
+            preempted.append(victim)
+        for s, n in live:
+            self.grow(s, n)
+        return preempted
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def slots(self, seq_id: int, start: int, n: int) -> list[int]:
+        table, bs = self.tables[seq_id], self.block_size
+        return [table[t // bs] * bs + t % bs for t in range(start, start + n)]
+
+    def plan_step(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> StepAttention:
+        """Build one step's indices. ``decode``: seq ids appending one token each;
+        ``prefill``: ``(seq_id, start, n)`` chunks. Updates stored lengths."""
+        slot_mapping: list[int] = []
+        for s in decode:
+            slot_mapping += self.slots(s, self.lens[s], 1)
+            self.lens[s] += 1
+        segments, row = [], len(decode)
+        for s, start, n in prefill:
+            slot_mapping += self.slots(s, start, n)
+            self.lens[s] = start + n
+            gather = None
+            if start > 0:
+                gather = torch.tensor(self.slots(s, 0, start + n), device=self.device)
+            segments.append(PrefillSegment(row, n, start, gather))
+            row += n
+        decode_idx = decode_mask = None
+        if decode:
+            decode_idx, decode_mask = self._decode_index([self.tables[s] for s in decode],
+                                                         [self.lens[s] for s in decode])
+        mapping = torch.tensor(slot_mapping, dtype=torch.long).to(self.device, non_blocking=True)
+        return StepAttention(list(self.k), list(self.v), mapping, len(decode), decode_idx,
+                             decode_mask, segments)
+
+    def _decode_index(self, tables: list[list[int]], lens: list[int]):
+        """Flat slot of every (row, position) up to the longest row, padded with scratch."""
+        bs, nb = self.block_size, max(len(t) for t in tables)
+        pad = self.num_blocks  # the scratch block id
+        table = torch.tensor([t + [pad] * (nb - len(t)) for t in tables], dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        table, lens_t = table.to(self.device, non_blocking=True), lens_t.to(self.device, non_blocking=True)
+        longest = max(lens)
+        pos = torch.arange(longest, device=self.device)
+        idx = table[:, pos // bs] * bs + pos % bs
+        valid = pos[None, :] < lens_t[:, None]
+        idx = torch.where(valid, idx, torch.full_like(idx, self.scratch_slot))
+        return idx, valid[:, None, None, :]
+
+    # ---- observation ---------------------------------------------------------------------
+
+    def usage(self) -> CacheUsage:
+        used = self.allocator.num_used
+        return CacheUsage(used, self.allocator.num_free, sum(self.lens.values()), used * self.block_size)
+
+    def capacity_sequences(self) -> str:
+        return f"{self.num_blocks} blocks x {self.block_size} tokens"
+
+
+class SlotKVCache(PagedKVCache):
+    """``n_slots`` contiguous reservations of ``max_len`` tokens, one per sequence."""
+
+    kind = "slot"
+
+    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype, device):
+        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1)
+        self.max_len = max_len
+
+    @classmethod
+    def from_budget(cls, cfg, kv_bytes: int, max_len: int, dtype, device, **kw) -> "SlotKVCache":
+        per_slot = max_len * cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        n = kv_bytes // per_slot
+        if n < 1:
+            raise CacheError(
+                f"a KV budget of {kv_bytes / 2**20:.1f} MiB holds no slot of max_model_len={max_len} "
+                f"tokens ({per_slot / 2**20:.1f} MiB); raise kv_memory or lower max_model_len")
+        return cls(cfg, int(n), max_len, dtype, device)
+
+    def blocks_for(self, n_tokens: int) -> int:
+        # The whole reservation, whatever the sequence's length (that is the point of comparison).
+        if n_tokens > self.max_len:
+            raise CacheError(f"{n_tokens} tokens do not fit a slot of {self.max_len}")
+        return 1
+
+    def fits_alone(self, n_tokens: int) -> bool:
+        return n_tokens <= self.max_len
+
+    def capacity_sequences(self) -> str:
+        return f"{self.num_blocks} slots x {self.max_len} tokens"

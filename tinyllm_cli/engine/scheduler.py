@@ -1,0 +1,107 @@
+"""Continuous-batching scheduler: decides, each step, who decodes, who prefills, who is preempted.
+
+Invariants:
+- ``running`` is in admission order (oldest first); the newest is the preemption victim.
+- Preempted sequences go back to the *front* of ``waiting`` (oldest of them first), ahead of new
+  arrivals, and are recomputed from all their tokens.
+- Admission is first-come first-served: when the head of the queue does not fit, nothing behind
+  it jumps ahead. A sequence is admitted with blocks for all its tokens plus one, so its first
+  decode step cannot preempt anyone.
+- No step admits new work while it preempts (that would thrash).
+- Progress is guaranteed: the oldest running sequence is preempted only when it is alone and
+  cannot grow at all, and then it is failed, not requeued; a head of queue that cannot fit an
+  empty pool is failed as well. So the engine never loops forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .request import Sequence, Status
+
+
+@dataclass
+class Plan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, start, n)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+    recomputed: int = 0  # cached tokens the preempted sequences will have to compute again
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Scheduler:
+    def __init__(self, cache, max_num_seqs: int, max_prefill_tokens: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.release(seq.seq_id)
+
+    def schedule(self) -> Plan:
+        plan = Plan()
+        self._reserve(plan)
+        budget = self._continue_prefills(plan, self.max_prefill_tokens)
+        if not plan.preempted:
+            self._admit(plan, budget)
+        plan.decode = [s for s in self.running if s.status is Status.DECODE]
+        return plan
+
+    def _reserve(self, plan: Plan) -> None:
+        # Decoding sequences need room for the token they are about to store; prefilling ones
+        # already hold blocks for their prompt plus one.
+        needs = [(s.seq_id, s.num_tokens if s.status is Status.DECODE else 0) for s in self.running]
+        victims = set(self.cache.reserve(needs))
+        if not victims:
+            return
+        by_id = {s.seq_id: s for s in self.running}
+        for sid in [n[0] for n in reversed(needs) if n[0] in victims]:  # newest first
+            s = by_id[sid]
+            self.running.remove(s)
+            if not self.cache.fits_alone(s.num_tokens + 1):
+                plan.failed.append(s)
+                continue
+            s.status, s.preemptions = Status.WAITING, s.preemptions + 1
+            s.recomputed_tokens += s.num_cached
+            plan.recomputed += s.num_cached
+            s.num_cached = 0
+            plan.preempted.append(s)
+            self.waiting.appendleft(s)  # newest first in, so the oldest ends up in front
+
+    def _continue_prefills(self, plan: Plan, budget: int) -> int:
+        for s in self.running:
+            if s.status is Status.PREFILL and budget > 0:
+                n = min(s.num_tokens - s.num_cached, budget)
+                plan.prefill.append((s, s.num_cached, n))
+                budget -= n
+        return budget
+
+    def _admit(self, plan: Plan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            s = self.waiting[0]
+            if not self.cache.can_admit(s.num_tokens + 1):
+                if not self.running and not self.cache.fits_alone(s.num_tokens + 1):
+                    plan.failed.append(self.waiting.popleft())
+                    continue
+                break
+            self.waiting.popleft()
+            self.cache.admit(s.seq_id, s.num_tokens + 1)
+            s.status, s.num_cached = Status.PREFILL, 0
+            self.running.append(s)
+            n = min(s.num_tokens, budget)
+            plan.prefill.append((s, 0, n))
+            budget -= n

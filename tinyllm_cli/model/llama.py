@@ -1,0 +1,230 @@
+"""The Llama-family decoder, readable top to bottom (nanoGPT style).
+
+Covers Llama, Mistral, Qwen2 and SmolLM shapes: RMSNorm, rotary embeddings in the Hugging Face
+``rotate_half`` convention (with optional Llama-3 / linear ``rope_scaling``), grouped-query
+attention, a SwiGLU MLP, optional q/k/v bias, tied or separate output embedding.
+
+Invariants:
+- Input is *packed*: ``input_ids`` and ``positions`` are flat ``[T]`` tensors holding the tokens of
+  every sequence in the step back to back, with no padding anywhere. Each token carries its own
+  rotary position, so a sequence never needs a pad-count offset.
+- The model knows nothing about caching or scheduling. Per layer it hands ``q, k, v`` (already
+  rotated) to ``attn.attend(layer, q, k, v)``, an object from ``tinyllm_cli.cache`` that stores
+  K/V wherever it likes and returns the attention output for the same T tokens.
+- Only the rows in ``logits_index`` go through the output projection: during prefill that is the
+  last token of each sequence, which saves the (large) vocabulary matmul for every other token.
+- Q/K/V and gate/up are fused into one matmul each at load time (``fuse_weights``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    arch: str = "llama"
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token occupies across all layers, per element byte."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        qkv = h * d * (self.num_heads + 2 * self.num_kv_heads) + h * self.num_heads * d
+        per_layer = qkv + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    def flops_per_token(self) -> int:
+        """Matmul FLOPs for one token (2 per multiply-add), attention scores excluded."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        proj = h * d * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * h * i
+        return 2 * (self.num_layers * proj + self.vocab_size * h)
+
+
+class Attention(Protocol):
+    """What a cache hands the model for one step (see ``tinyllm_cli.cache``)."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Rotary inverse frequencies, with the scaling types Llama checkpoints use."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind in ("default", None):
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / float(sc["factor"])).float()
+    if kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = float(sc["factor"])
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_len = float(sc.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(mid, blended, scaled).float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 like the reference, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
+        t = x.shape[0]
+        qkv = self.qkv(self.input_norm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv, self.head_dim)
+        v = v.view(t, self.n_kv, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = attn.attend(self.index, q, k, v)
+        x = x + self.o_proj(o.reshape(t, self.q_size))
+        gate, up = self.gate_up(self.post_norm(x)).split(self.inter, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin of shape [T, 1, head_dim], computed in float32 then cast (as HF does)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, attn: Attention, logits_index: Tensor | None = None
+    ) -> Tensor:
+        """Packed forward: returns float32 logits for the rows in ``logits_index`` (all if None)."""
+        x = self.embed(input_ids)
+        cos, sin = self.rope(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        if logits_index is not None:
+            x = x.index_select(0, logits_index)
+        return self.lm_head(self.norm(x)).float()
+
+
+def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype, device: str) -> LlamaModel:
+    """Create the model on ``device`` from HF-named weights (``model.layers.N.self_attn.q_proj...``)."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    state = fuse_weights(cfg, weights)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:4])}")
+    model = model.to(device=device, dtype=dtype)
+    model.inv_freq = model.inv_freq.float()
+    return model.eval().requires_grad_(False)
+
+
+def fuse_weights(cfg: ModelConfig, w: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Map HF names to ours and concatenate q/k/v and gate/up so each is one matmul."""
+    def take(name: str) -> Tensor:
+        if name not in w:
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
+        return w[name]
+
+    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        out[f"layers.{i}.qkv.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.attention_bias:
+            out[f"layers.{i}.qkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+        out[f"layers.{i}.o_proj.weight"] = take(a + "o_proj.weight")
+        out[f"layers.{i}.input_norm.weight"] = take(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_norm.weight"] = take(p + "post_attention_layernorm.weight")
+        m = p + "mlp."
+        out[f"layers.{i}.gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[f"layers.{i}.down.weight"] = take(m + "down_proj.weight")
+    return out
