@@ -43,6 +43,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(seed)
         self._step = 0
+        self.observers: list = []
 
     # ---- requests in ---------------------------------------------------------------------
 
@@ -111,6 +112,8 @@ class LLMEngine:
         tokens = sampler.sample(logits, samplers).tolist() if samplers else []
         forward_s = time.perf_counter() - t0
         self._advance(plan)
+        for observe in self.observers:  # before releases, so a snapshot sees the final tables
+            observe(self, plan)
         for s, tok in zip(samplers, tokens):
             reason = self._append(s, tok)
             if reason:
@@ -202,7 +205,7 @@ class LLMEngine:
         r = s.request
         out = RequestOutput(r.id, r.index, r.prompt, list(r.prompt_token_ids), out_ids, text, reason,
                             error, s.stop_reason, ttft, tpot, now - s.arrival if out_ids else None,
-                            s.preemptions, s.seed)
+                            s.preemptions, s.seed, r.metadata)
         self.stats.record_request(out)
         return out
 

@@ -72,6 +72,7 @@ class Request:
     prompt: str | None = None
     index: int = 0  # position in the input, for input-order output
     error: str | None = None  # set when the request was bad before it reached the engine
+    metadata: object = None  # echoed back untouched
 
 
 class Status(enum.Enum):
@@ -130,6 +131,7 @@ class RequestOutput:
     latency_s: float | None = None
     preemptions: int = 0
     seed: int | None = None
+    metadata: object = None
 
     def to_json(self) -> dict:
         return {
@@ -139,7 +141,7 @@ class RequestOutput:
             "num_prompt_tokens": len(self.prompt_token_ids), "num_output_tokens": len(self.token_ids),
             "metrics": {"ttft_s": _r(self.ttft_s), "tpot_s": _r(self.tpot_s),
                         "latency_s": _r(self.latency_s), "preemptions": self.preemptions},
-        }
+        } | ({"metadata": self.metadata} if self.metadata is not None else {})
 
 
 def _r(x: float | None) -> float | None:

@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny random Llama / Qwen2 checkpoints saved by transformers (the independent
+reference), and the real default model loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyllm_cli.model.checkpoint import load_checkpoint
+from tinyllm_cli.model.llama import build_model
+
+torch.set_num_threads(2)
+
+
+def _save_random(path, cfg_cls, **kw):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = cfg_cls(**kw)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    # Random init gives near-uniform logits; scale weights up so greedy decoding is not decided by
+    # float noise, which would make token-for-token comparisons meaningless.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+LLAMA_SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                   bos_token_id=1, eos_token_id=2)
+QWEN2_SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                   rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    import transformers
+    return _save_random(tmp_path_factory.mktemp("llama"), transformers.LlamaConfig, **LLAMA_SHAPE)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    import transformers
+    return _save_random(tmp_path_factory.mktemp("qwen2"), transformers.Qwen2Config, **QWEN2_SHAPE)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(llama_dir):
+    ck = load_checkpoint(str(llama_dir), progress=False)
+    return build_model(ck.config, ck.weights, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint():
+    return load_checkpoint(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_checkpoint):
+    ck = default_checkpoint
+    return build_model(ck.config, ck.weights, torch.float32, "cpu")

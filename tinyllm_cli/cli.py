@@ -1,0 +1,216 @@
+"""The ``tinyllm`` command line: parse flags, load config, call the library, render. No engine logic.
+
+Exit codes: 0 success, 2 usage/config error (nothing ran), 1 runtime error, 130 on SIGINT and
+143 on SIGTERM (every finished result is already on disk). stdout carries results only.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import TinyLLMError, UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Batch generation and KV-cache experiments with small Llama-family models.")
+
+# ---- options shared by every command that runs the engine ------------------------------------
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file (defaults are built in).")]
+ModelOpt = Annotated[Optional[str], typer.Option(help="'default', a .gguf file or a Hugging Face model directory.")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
+CacheOpt = Annotated[Optional[str], typer.Option("--cache", help="KV cache kind: paged or slot.")]
+BlockOpt = Annotated[Optional[int], typer.Option(help="Tokens per KV block (paged cache).")]
+NumBlocksOpt = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (wins over --kv-memory).")]
+KvMemOpt = Annotated[Optional[str], typer.Option(help="KV pool size in bytes, e.g. 512MiB.")]
+SeqsOpt = Annotated[Optional[int], typer.Option(help="Most sequences running at once.")]
+LenOpt = Annotated[Optional[int], typer.Option(help="Longest prompt + output, in tokens.")]
+PrefillOpt = Annotated[Optional[int], typer.Option(help="Prefill token budget per step (longer prompts are chunked).")]
+NewOpt = Annotated[Optional[int], typer.Option(help="Tokens to generate per request.")]
+TempOpt = Annotated[Optional[float], typer.Option(help="0 = greedy.")]
+TopPOpt = Annotated[Optional[float], typer.Option()]
+TopKOpt = Annotated[Optional[int], typer.Option(help="0 = off.")]
+MinPOpt = Annotated[Optional[float], typer.Option()]
+RepOpt = Annotated[Optional[float], typer.Option(help="1.0 = off.")]
+SeedOpt = Annotated[Optional[int], typer.Option(help="Sampling seed (per request streams derive from it).")]
+EosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="Keep generating past EOS.")]
+ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Wrap plain prompts in the model's chat template.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+StatsOpt = Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")]
+
+
+def overrides(**kw) -> dict:
+    keys = {"model": "model", "device": "device", "dtype": "dtype", "cache": "cache.kind",
+            "block_size": "cache.block_size", "num_blocks": "cache.num_blocks", "kv_memory": "cache.kv_memory",
+            "max_model_len": "cache.max_model_len", "max_num_seqs": "scheduler.max_num_seqs",
+            "max_prefill_tokens": "scheduler.max_prefill_tokens", "max_new_tokens": "sampling.max_new_tokens",
+            "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
+            "min_p": "sampling.min_p", "repetition_penalty": "sampling.repetition_penalty",
+            "seed": "sampling.seed", "ignore_eos": "sampling.ignore_eos"}
+    return {keys[k]: v for k, v in kw.items() if k in keys and v is not None}
+
+
+def write_stats(path: Path | None, stats: dict) -> None:
+    if path is None:
+        return
+    try:
+        path.write_text(json.dumps(stats, indent=2) + "\n")
+    except OSError as e:
+        raise TinyLLMError(f"cannot write stats to {path}: {e.strerror}")
+
+
+# ---- generate ------------------------------------------------------------------------------
+
+@app.command()
+def generate(
+    prompts: Annotated[str, typer.Option("--prompts", "-p", help="Prompts: .txt (one per line), .jsonl, or - for stdin.")],
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="JSONL results file (default stdout).")] = None,
+    resume: Annotated[bool, typer.Option(help="Skip ids already in --output and append the rest.")] = False,
+    strict: Annotated[bool, typer.Option(help="Exit 1 if any request failed.")] = False,
+    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
+    cache: CacheOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
+    kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None,
+    max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
+    top_p: TopPOpt = None, top_k: TopKOpt = None, min_p: MinPOpt = None, repetition_penalty: RepOpt = None,
+    seed: SeedOpt = None, ignore_eos: EosOpt = None, chat: ChatOpt = True, quiet: QuietOpt = False,
+    debug: DebugOpt = False, stats_json: StatsOpt = None,
+):
+    """Generate completions for a file of prompts; results in input order as JSONL."""
+    from .commands import run_generate
+    from .config import load_config
+    ov = overrides(**locals())
+    cfg = load_config(config, ov)
+    if resume and output in (None, "-"):
+        raise UsageError("--resume needs --output FILE (it appends to that file)")
+    code = run_generate(cfg, prompts, output, resume, strict, chat, quiet, stats_json)
+    raise typer.Exit(code)
+
+
+# ---- serve-batch ---------------------------------------------------------------------------
+
+@app.command("serve-batch")
+def serve_batch(
+    input: Annotated[str, typer.Option("--input", "-i", help="OpenAI Batch API JSONL, or - for stdin.")] = "-",
+    output: Annotated[str, typer.Option("--output", "-o", help="Results JSONL, or - for stdout.")] = "-",
+    request_rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals per second (default: as fast as read).")] = None,
+    max_inflight: Annotated[Optional[int], typer.Option(help="Most requests inside the engine at once.")] = None,
+    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
+    cache: CacheOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
+    kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None,
+    max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
+    top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None, ignore_eos: EosOpt = None,
+    quiet: QuietOpt = False, debug: DebugOpt = False, stats_json: StatsOpt = None,
+):
+    """Serve OpenAI Batch API requests as a stream; results in completion order."""
+    from .config import load_config
+    from .serve import run_serve
+    cfg = load_config(config, overrides(**locals()))
+    if request_rate is not None and request_rate <= 0:
+        raise UsageError("--request-rate must be a positive number of requests per second")
+    if max_inflight is not None and max_inflight <= 0:
+        raise UsageError("--max-inflight must be a positive integer")
+    raise typer.Exit(run_serve(cfg, input, output, request_rate, max_inflight, quiet, stats_json))
+
+
+# ---- bench ---------------------------------------------------------------------------------
+
+@app.command()
+def bench(
+    block_sizes: Annotated[Optional[str], typer.Option("--block-size", help="Comma list, e.g. 8,16,32.")] = None,
+    caches: Annotated[str, typer.Option("--cache", help="Comma list of cache kinds: paged,slot.")] = "paged,slot",
+    num_prompts: Annotated[int, typer.Option(help="Random-token prompts to generate.")] = 32,
+    input_len: Annotated[int, typer.Option(help="Mean prompt length (random prompts).")] = 128,
+    output_len: Annotated[int, typer.Option(help="Tokens generated per request.")] = 64,
+    range_ratio: Annotated[float, typer.Option(help="Prompt lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
+    prompts: Annotated[Optional[str], typer.Option("--prompts", help="Use a prompts file instead of random tokens.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows as JSON.")] = None,
+    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
+    bench_seed: Annotated[int, typer.Option("--workload-seed", help="Seed of the random workload.")] = 0,
+    warmup: Annotated[bool, typer.Option(help="One short untimed run first.")] = True,
+    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
+    num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
+    max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
+    quiet: QuietOpt = False, debug: DebugOpt = False,
+):
+    """Run one seeded workload per cache kind x block size at equal KV memory; one row each."""
+    from .bench import BenchSpec, run_bench
+    from .config import load_config
+    cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, num_blocks=num_blocks,
+                                         kv_memory=kv_memory, max_num_seqs=max_num_seqs,
+                                         max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens))
+    spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
+                           bench_seed, warmup, chat, cfg)
+    raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet))
+
+
+# ---- inspect-blocks ------------------------------------------------------------------------
+
+@app.command("inspect-blocks")
+def inspect_blocks(
+    prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompts file (else random prompts).")] = None,
+    num_prompts: Annotated[int, typer.Option(help="Random-token prompts.")] = 12,
+    input_len: Annotated[int, typer.Option(help="Mean random prompt length.")] = 48,
+    output_len: Annotated[int, typer.Option(help="Tokens generated per request.")] = 32,
+    range_ratio: Annotated[float, typer.Option(help="Prompt lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
+    at: Annotated[str, typer.Option(help="Snapshot moment: peak, end, or a step number.")] = "peak",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write snapshot + timeline as JSON.")] = None,
+    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
+    block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
+    max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None, chat: ChatOpt = False,
+    quiet: QuietOpt = False, debug: DebugOpt = False,
+):
+    """Show the paged cache's block map, block tables, free list and timeline."""
+    from .config import load_config
+    from .inspect_blocks import run_inspect
+    cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, block_size=block_size,
+                                         num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
+                                         max_model_len=max_model_len, cache="paged", ignore_eos=True,
+                                         max_new_tokens=output_len))
+    raise typer.Exit(run_inspect(cfg, prompts, num_prompts, input_len, output_len, range_ratio, at,
+                                 json_out, chat, quiet))
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(143)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        code = app(args=argv, prog_name="tinyllm", standalone_mode=False)
+    except TinyLLMError as e:
+        _fail(e, debug, f"error: {e}", e.exit_code)
+    except KeyboardInterrupt as e:
+        _fail(e, debug, "interrupted: finished results are saved; rerun with --resume to finish", 130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except SystemExit:
+        raise
+    except Exception as e:  # click usage errors and anything unexpected
+        import click
+        if isinstance(e, click.exceptions.ClickException):
+            e.show(file=sys.stderr)
+            sys.exit(2)
+        if isinstance(e, click.exceptions.Abort):
+            _fail(e, debug, "interrupted", 130)
+        _fail(e, debug, f"error: internal error ({type(e).__name__}: {e}); rerun with --debug for the traceback", 1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(e: BaseException, debug: bool, message: str, code: int) -> None:
+    if debug:
+        traceback.print_exception(e)
+    print(message, file=sys.stderr)
+    sys.exit(code)

@@ -1,0 +1,227 @@
+"""Typed configuration: built-in defaults < YAML file < command-line flags.
+
+Invariants:
+- Every key has a type and a default here; ``configs/default.yaml`` spells out the same values.
+- Loading validates everything before anything is built: an unknown key, a wrong type or an
+  out-of-range value is a ``UsageError`` naming the key, its line in the file, and for unknown
+  keys the closest valid one. Nothing is loaded or run after such an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .engine.request import SamplingParams
+from .errors import UsageError
+
+
+@dataclass
+class CacheConfig:
+    kind: str = "paged"
+    block_size: int = 16
+    num_blocks: int | None = None  # wins over kv_memory when set
+    kv_memory: str = "512MiB"
+    max_model_len: int = 2048
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_prefill_tokens: int = 2048
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def params(self, **override) -> SamplingParams:
+        values = dataclasses.asdict(self) | override
+        return SamplingParams(**values)
+
+
+@dataclass
+class Config:
+    model: str = "default"
+    device: str = "auto"
+    dtype: str = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "sampling": SamplingConfig}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _hints(cls) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _type_ok(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, inner) for v in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, (str, int)) and not isinstance(value, bool)
+    return True
+
+
+def _type_name(hint) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        return "a list of strings"
+    if args:
+        return names.get(args[0], str(args[0])) + " (or null)"
+    return names.get(hint, str(hint))
+
+
+def _unknown(key: str, valid, where: str) -> UsageError:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(sorted(valid))}"
+    return UsageError(f"unknown config key {key!r}{where}{hint}")
+
+
+def _line(node) -> str:
+    return f" (line {node.start_mark.line + 1})" if node is not None else ""
+
+
+def load_yaml(path: str | Path) -> tuple[dict, dict]:
+    """Parse a YAML config into plain data plus a map from dotted key to its YAML node."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file {str(p)!r} does not exist" if not p.exists()
+                         else f"config path {str(p)!r} is not a file")
+    try:
+        text = p.read_text(encoding="utf-8")
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except UnicodeDecodeError:
+        raise UsageError(f"config file {str(p)!r} is not UTF-8 text")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UsageError(f"config file {str(p)!r} is not valid YAML{where}: {getattr(e, 'problem', e)}")
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {str(p)!r} must be a mapping of sections (model, cache, ...)")
+    nodes: dict[str, object] = {}
+    for knode, vnode in root.value:
+        nodes[str(knode.value)] = knode
+        if isinstance(vnode, yaml.MappingNode):
+            for k2, _ in vnode.value:
+                nodes[f"{knode.value}.{k2.value}"] = k2
+    return data, nodes
+
+
+def build_config(data: dict, nodes: dict | None = None, overrides: dict | None = None) -> Config:
+    """Validate ``data`` (from YAML) and apply ``overrides`` ({"cache.block_size": 32, ...})."""
+    nodes = nodes or {}
+    cfg = Config()
+    top = {f.name for f in dataclasses.fields(Config)}
+    for key, value in data.items():
+        key = str(key)
+        node = nodes.get(key)
+        if key not in top:
+            raise _unknown(key, top, _line(node))
+        if key in SECTIONS:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise UsageError(f"config section {key!r}{_line(node)} must be a mapping of keys")
+            for k2, v2 in value.items():
+                _set(cfg, f"{key}.{k2}", v2, nodes.get(f"{key}.{k2}"))
+        else:
+            _set(cfg, key, value, node)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _set(cfg, dotted, value, None, from_flag=True)
+    validate(cfg)
+    return cfg
+
+
+def _set(cfg: Config, dotted: str, value, node, from_flag: bool = False) -> None:
+    section, _, key = dotted.rpartition(".")
+    target = getattr(cfg, section) if section else cfg
+    hints = _hints(type(target))
+    where = " (command-line flag)" if from_flag else _line(node)
+    if key not in hints:
+        raise _unknown(key if not section else f"{section}.{key}",
+                       [f"{section}.{k}" if section else k for k in hints], where)
+    hint = hints[key]
+    if isinstance(value, str) and hint is list[str]:
+        value = [value]
+    if not _type_ok(value, hint):
+        raise UsageError(f"config key {dotted!r}{where} must be {_type_name(hint)}, not {value!r}")
+    if hint is float and isinstance(value, int):
+        value = float(value)
+    if hint is str and isinstance(value, int):
+        value = str(value)
+    setattr(target, key, value)
+
+
+def validate(cfg: Config) -> None:
+    c, s = cfg.cache, cfg.scheduler
+    positive = [("cache.block_size", c.block_size), ("cache.max_model_len", c.max_model_len),
+                ("scheduler.max_num_seqs", s.max_num_seqs),
+                ("scheduler.max_prefill_tokens", s.max_prefill_tokens)]
+    if c.num_blocks is not None:
+        positive.append(("cache.num_blocks", c.num_blocks))
+    for name, v in positive:
+        if v <= 0:
+            raise UsageError(f"config key {name!r} must be a positive integer, not {v}")
+    if c.kind not in ("paged", "slot"):
+        raise UsageError(f"cache.kind must be 'paged' or 'slot', not {c.kind!r}")
+    if c.kind == "paged" and c.num_blocks is not None and c.num_blocks < s.max_num_seqs:
+        raise UsageError(f"cache.num_blocks ({c.num_blocks}) is smaller than scheduler.max_num_seqs "
+                         f"({s.max_num_seqs}): every running sequence needs at least one block; "
+                         f"raise num_blocks or lower max_num_seqs")
+    if cfg.dtype not in DTYPES:
+        raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, not {cfg.dtype!r}")
+    if not (cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")):
+        raise UsageError(f"device must be auto, cpu, cuda or cuda:N, not {cfg.device!r}")
+    from .cache.kv import CacheError, parse_bytes
+    try:
+        parse_bytes(c.kv_memory)
+    except CacheError as e:
+        raise UsageError(f"cache.kv_memory: {e}")
+    try:
+        cfg.sampling.params()
+    except ValueError as e:
+        raise UsageError(f"sampling: {e}")
+
+
+def load_config(path: str | Path | None, overrides: dict | None = None) -> Config:
+    data, nodes = load_yaml(path) if path else ({}, {})
+    return build_config(data, nodes, overrides)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,114 @@
+"""Rich rendering of run stats, bench rows and block maps. Reads stats objects; computes nothing
+the engine did not record. Everything here prints to stderr: stdout is for results."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.1f} MiB"
+
+
+def run_table(s: dict, title: str = "run") -> Table:
+    t = Table(title=title, show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rows = [
+        ("requests (failed)", f"{s['num_requests']} ({s['num_failed']})"),
+        ("prompt / output tokens", f"{s['prompt_tokens']} / {s['output_tokens']}"),
+        ("elapsed", f"{s['elapsed_s']:.2f} s"),
+        ("output tok/s", f"{s['output_tokens_per_s']:.1f}"),
+        ("total tok/s", f"{s['total_tokens_per_s']:.1f}"),
+        ("cache", f"{s['cache_kind']}  {s['num_blocks']} x {s['block_size']} tok  ({_mib(s['kv_bytes'])})"),
+        ("peak running seqs", str(s["peak_running"])),
+        ("peak blocks used", f"{s['peak_blocks_used']} / {s['num_blocks']}"),
+        ("block utilization mean / peak", f"{s['mean_block_utilization']:.1%} / {s['peak_block_utilization']:.1%}"),
+        ("wasted slots mean / peak", f"{s['mean_wasted_slots']:.0f} / {s['peak_wasted_slots']}"),
+        ("preemptions (recomputed tok)", f"{s['preemptions']} ({s['recomputed_tokens']})"),
+        ("engine overhead", f"{s['engine_overhead_frac']:.1%} of wall time"),
+    ]
+    for name, v in rows:
+        t.add_row(name, v)
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("latency_s", "latency")):
+        p = s[key]
+        t.add_row(f"{label} p50 / p90 / p99 (ms)", f"{_ms(p['p50'])} / {_ms(p['p90'])} / {_ms(p['p99'])}")
+    return t
+
+
+BENCH_COLUMNS = [
+    ("cache", "cache_kind", str), ("block", "block_size", str), ("out tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("total tok/s", "total_tokens_per_s", "{:.1f}"), ("peak seqs", "peak_running", str),
+    ("util mean", "mean_block_utilization", "{:.1%}"), ("util peak", "peak_block_utilization", "{:.1%}"),
+    ("wasted", "mean_wasted_slots", "{:.0f}"), ("preempt", "preemptions", str),
+    ("recomp tok", "recomputed_tokens", str), ("KV MiB", "kv_bytes", lambda b: f"{b / 2**20:.1f}"),
+]
+
+
+def bench_table(rows: list[dict], title: str = "bench") -> Table:
+    t = Table(title=title, header_style="bold")
+    for name, _, _ in BENCH_COLUMNS:
+        t.add_column(name, justify="right")
+    t.add_column("TTFT p50 ms", justify="right")
+    t.add_column("TPOT p50 ms", justify="right")
+    for r in rows:
+        cells = []
+        for _, key, fmt in BENCH_COLUMNS:
+            v = r[key]
+            cells.append(fmt(v) if callable(fmt) and not isinstance(fmt, str) else
+                         (fmt.format(v) if isinstance(fmt, str) and "{" in fmt else str(v)))
+        cells += [_ms(r["ttft_s"]["p50"]), _ms(r["tpot_s"]["p50"])]
+        t.add_row(*cells)
+    return t
+
+
+def sparkline(values: list[float], width: int = 60, lo: float | None = None, hi: float | None = None) -> str:
+    if not values:
+        return ""
+    step = max(1, -(-len(values) // width))
+    pts = [max(values[i:i + step]) for i in range(0, len(values), step)]
+    lo = min(pts) if lo is None else lo
+    hi = max(pts) if hi is None else hi
+    span = (hi - lo) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in pts)
+
+
+def marks_line(n_steps: int, events: list[int], width: int = 60) -> str:
+    if not n_steps:
+        return ""
+    step = max(1, -(-n_steps // width))
+    cells = [" "] * (-(-n_steps // step))
+    for e in events:
+        cells[min(len(cells) - 1, e // step)] = "!"
+    return "".join(cells)
+
+
+PALETTE = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green",
+           "bright_yellow", "bright_blue", "bright_magenta", "bright_cyan"]
+
+
+def block_map(owner: list[int | None], width: int = 64) -> Text:
+    """One cell per physical block: coloured by owning sequence, '·' free, 'S' scratch (last)."""
+    text = Text()
+    for i, o in enumerate(owner):
+        if i and i % width == 0:
+            text.append("\n")
+        if o is None:
+            text.append("·", style="dim")
+        elif o == -1:
+            text.append("S", style="bold white on black")
+        else:
+            text.append("█", style=PALETTE[o % len(PALETTE)])
+    return text

@@ -1,0 +1,88 @@
+"""From a validated Config to live objects: device, dtype, model, tokenizer, cache, engine.
+
+The model is loaded once per process; caches and engines are cheap and built per run (bench
+builds one per sweep point, all at the same KV budget).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .cache.kv import CacheError, PagedKVCache, SlotKVCache, parse_bytes
+from .config import Config
+from .engine.engine import LLMEngine
+from .errors import TinyLLMError, UsageError
+from .model.checkpoint import load_checkpoint
+from .model.llama import LlamaModel, build_model
+from .model.tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but this machine has no CUDA GPU (use --device cpu)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class Runtime:
+    model: LlamaModel
+    tokenizer: Tokenizer | None
+    model_name: str
+    device: torch.device
+    dtype: torch.dtype
+    load_s: float
+
+
+def load_runtime(cfg: Config, progress: bool = True) -> Runtime:
+    t0 = time.perf_counter()
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    ck = load_checkpoint(cfg.model, progress)
+    try:
+        model = build_model(ck.config, ck.weights, dtype, str(device))
+    except ValueError as e:
+        raise TinyLLMError(f"cannot build the model from {ck.source}: {e}")
+    return Runtime(model, ck.tokenizer, ck.name, device, dtype, time.perf_counter() - t0)
+
+
+def kv_budget(cfg: Config, model_cfg, dtype) -> int:
+    """Bytes of K/V both cache kinds get: num_blocks x block_size tokens when given, else kv_memory."""
+    c = cfg.cache
+    if c.num_blocks is not None:
+        per_token = model_cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        return c.num_blocks * c.block_size * per_token
+    return parse_bytes(c.kv_memory)
+
+
+def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
+    c, mcfg = cfg.cache, rt.model.cfg
+    max_len = min(c.max_model_len, mcfg.max_position_embeddings)
+    try:
+        if c.kind == "slot":
+            return SlotKVCache.from_budget(mcfg, kv_budget(cfg, mcfg, rt.dtype), max_len, rt.dtype, rt.device)
+        if c.num_blocks is not None:
+            return PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device)
+        return PagedKVCache.from_budget(mcfg, parse_bytes(c.kv_memory), c.block_size, rt.dtype, rt.device)
+    except CacheError as e:
+        raise UsageError(str(e))
+
+
+def make_engine(cfg: Config, rt: Runtime, seed: int = 0) -> LLMEngine:
+    cache = make_cache(cfg, rt)
+    return LLMEngine(rt.model, cache, rt.tokenizer, max_num_seqs=cfg.scheduler.max_num_seqs,
+                     max_prefill_tokens=cfg.scheduler.max_prefill_tokens,
+                     max_model_len=cfg.cache.max_model_len,
+                     eos_ids=rt.tokenizer.eos_ids if rt.tokenizer else None, seed=seed)
