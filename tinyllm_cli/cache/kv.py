@@ -132,7 +132,7 @@ class PagedKVCache:
         return self.allocator.can_allocate(self.blocks_for(n_tokens))
 
     def admit(self, seq_id: int, n_tokens: int) -> None:
-        """Take blocks for ``n_tokens`` positions (prompt plus the first generated token)."""
+        """Take blocks for ``n_tokens`` positions (the prompt, or all tokens on a recompute)."""
         if seq_id in self.tables:
             raise CacheError(f"sequence {seq_id} is already in the cache")
         self.tables[seq_id] = self.allocator.allocate(self.blocks_for(n_tokens))

@@ -100,6 +100,7 @@ class LLMEngine:
             yield from self.step()
         self.stats.end = time.perf_counter()
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         done = [self._output(s, "length", "the sequence outgrew the whole KV pool; it was stopped here")
@@ -122,7 +123,6 @@ class LLMEngine:
         self._record(plan, forward_s)
         return done
 
-    @torch.inference_mode()
     def _forward(self, plan: Plan):
         ids, pos, logit_rows, samplers = [], [], [], []
         for s in plan.decode:
@@ -141,8 +141,9 @@ class LLMEngine:
         attn = self.cache.plan_step([s.seq_id for s in plan.decode],
                                     [(s.seq_id, start, n) for s, start, n in plan.prefill])
         dev = self.model.device
-        logits = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn,
-                            torch.tensor(logit_rows, device=dev))
+        as_long = dict(dtype=torch.long, device=dev)
+        logits = self.model(torch.tensor(ids, **as_long), torch.tensor(pos, **as_long), attn,
+                            torch.tensor(logit_rows, **as_long))
         return samplers, logits
 
     def _advance(self, plan: Plan) -> None:

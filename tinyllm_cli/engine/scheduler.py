@@ -5,8 +5,8 @@ Invariants:
 - Preempted sequences go back to the *front* of ``waiting`` (oldest of them first), ahead of new
   arrivals, and are recomputed from all their tokens.
 - Admission is first-come first-served: when the head of the queue does not fit, nothing behind
-  it jumps ahead. A sequence is admitted with blocks for all its tokens plus one, so its first
-  decode step cannot preempt anyone.
+  it jumps ahead. A sequence is admitted only when its tokens plus one fit, and takes blocks for
+  its tokens; the block for its first decode comes from the step reservation like any other.
 - No step admits new work while it preempts (that would thrash).
 - Progress is guaranteed: the oldest running sequence is preempted only when it is alone and
   cannot grow at all, and then it is failed, not requeued; a head of queue that cannot fit an
@@ -63,7 +63,7 @@ class Scheduler:
 
     def _reserve(self, plan: Plan) -> None:
         # Decoding sequences need room for the token they are about to store; prefilling ones
-        # already hold blocks for their prompt plus one.
+        # already hold blocks for their whole prompt.
         needs = [(s.seq_id, s.num_tokens if s.status is Status.DECODE else 0) for s in self.running]
         victims = set(self.cache.reserve(needs))
         if not victims:
@@ -99,7 +99,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            self.cache.admit(s.seq_id, s.num_tokens + 1)
+            self.cache.admit(s.seq_id, s.num_tokens)
             s.status, s.num_cached = Status.PREFILL, 0
             self.running.append(s)
             n = min(s.num_tokens, budget)

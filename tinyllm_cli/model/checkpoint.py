@@ -196,14 +196,19 @@ def _hf_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"model_type {mtype!r} in {cj} is not supported (supported: {', '.join(sorted(HF_TYPES))})")
     eos = c.get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else list(eos or [])
+    # transformers >= 5 saves rope_theta and the scaling together under "rope_parameters".
+    rope = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     try:
         return ModelConfig(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
             num_heads=c["num_attention_heads"],
             num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
             intermediate_size=c["intermediate_size"], head_dim=c.get("head_dim") or 0,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
-            rope_scaling=c.get("rope_scaling"),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             attention_bias=c.get("attention_bias", mtype == "qwen2"),

@@ -1,0 +1,141 @@
+"""Property tests of the allocator and the paged cache, driven through the real scheduler:
+random arrivals, lengths, finishes and pool sizes, with the invariants checked after every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tinyllm_cli.cache.allocator import BlockAllocator, BlockError
+from tinyllm_cli.cache.kv import PagedKVCache, SlotKVCache
+from tinyllm_cli.engine.request import Request, SamplingParams, Sequence, Status
+from tinyllm_cli.engine.scheduler import Scheduler
+from tinyllm_cli.model.llama import ModelConfig
+
+CFG = ModelConfig(vocab_size=50, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=8)
+
+
+def test_allocator_order_and_errors():
+    a = BlockAllocator(5)
+    assert a.allocate(3) == [0, 1, 2]  # lowest ids first
+    a.free([1])
+    a.free([0])
+    assert a.allocate(1) == [0]  # LIFO: the last freed comes back first
+    assert a.allocate(1) == [1]
+    assert a.peak_used == 3 and a.num_free == 2
+    with pytest.raises(BlockError):
+        a.free([4])  # never allocated
+    a.free([2])
+    with pytest.raises(BlockError):
+        a.free([2])  # double free
+    with pytest.raises(BlockError):
+        a.allocate(10)
+
+
+@given(st.lists(st.one_of(st.tuples(st.just("alloc"), st.integers(1, 4)),
+                          st.tuples(st.just("free"), st.integers(0, 30))), max_size=60))
+def test_allocator_never_hands_out_a_block_twice(ops):
+    a = BlockAllocator(12)
+    held: list[int] = []
+    for op, n in ops:
+        if op == "alloc" and a.can_allocate(n):
+            got = a.allocate(n)
+            assert not set(got) & set(held)
+            held += got
+        elif op == "free" and held:
+            b = held.pop(n % len(held))
+            a.free([b])
+        assert a.num_free + a.num_used == 12 and a.num_used == len(held)
+        assert set(a.free_list()).isdisjoint(held)
+
+
+def check_invariants(cache: PagedKVCache, sched: Scheduler) -> None:
+    owned = [b for t in cache.tables.values() for b in t]
+    assert len(owned) == len(set(owned)), "a block is in two tables"
+    assert set(owned) == cache.allocator._used
+    assert cache.allocator.num_free + cache.allocator.num_used == cache.num_blocks
+    assert cache.num_blocks not in owned  # the scratch block is never handed out
+    running = {s.seq_id: s for s in sched.running}
+    assert set(cache.tables) == set(running)
+    for sid, s in running.items():
+        stored, table = cache.lens[sid], cache.tables[sid]
+        assert stored == s.num_cached
+        assert len(table) * cache.block_size >= stored
+        if s.status is Status.DECODE and cache.kind == "paged":
+            assert len(table) == cache.blocks_for(stored)  # waste < block_size
+            assert len(table) * cache.block_size - stored < cache.block_size
+    for s in sched.waiting:
+        assert s.seq_id not in cache.tables and s.num_cached == 0
+
+
+def simulate(cache, reqs, max_num_seqs, budget, finish_draws):
+    """Drive scheduler + cache exactly as the engine does, with a fake sampler."""
+    sched = Scheduler(cache, max_num_seqs, budget)
+    for i, (plen, new) in enumerate(reqs):
+        r = Request(str(i), list(range(plen)), SamplingParams(max_new_tokens=new))
+        sched.add(Sequence(i, r, 0, list(r.prompt_token_ids), plen))
+    done, steps, draws = 0, 0, iter(finish_draws)
+    total = len(reqs)
+    while sched.has_work():
+        steps += 1
+        assert steps < 5000, "the scheduler stopped making progress"
+        plan = sched.schedule()
+        for s in plan.failed:
+            done += 1
+        cache.plan_step([s.seq_id for s in plan.decode], [(s.seq_id, a, n) for s, a, n in plan.prefill])
+        for s in plan.decode:
+            s.num_cached += 1
+        for s, a, n in plan.prefill:
+            s.num_cached = a + n
+        samplers = plan.decode + [s for s, a, n in plan.prefill if a + n == s.num_tokens]
+        for s in samplers:
+            s.tokens.append(1)
+            s.status = Status.DECODE
+            if s.num_output >= s.request.params.max_new_tokens or next(draws, False):
+                sched.finish(s)
+                done += 1
+        check_invariants(cache, sched)
+    assert done == total
+    assert cache.allocator.num_used == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 4, 8]), extra_blocks=st.integers(0, 12),
+       reqs=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12)), min_size=1, max_size=10),
+       max_num_seqs=st.integers(1, 8), budget=st.integers(1, 40),
+       finish_draws=st.lists(st.booleans(), max_size=200))
+def test_paged_cache_invariants_under_random_workloads(block_size, extra_blocks, reqs, max_num_seqs,
+                                                       budget, finish_draws):
+    longest = max(p + n for p, n in reqs)
+    num_blocks = -(-longest // block_size) + extra_blocks  # every request fits alone
+    cache = PagedKVCache(CFG, num_blocks, block_size, torch.float32, "cpu")
+    simulate(cache, reqs, max_num_seqs, budget, finish_draws)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n_slots=st.integers(1, 4), reqs=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12)), min_size=1, max_size=8),
+       finish_draws=st.lists(st.booleans(), max_size=100))
+def test_slot_cache_invariants(n_slots, reqs, finish_draws):
+    cache = SlotKVCache(CFG, n_slots, 40, torch.float32, "cpu")
+    simulate(cache, reqs, 8, 64, finish_draws)
+
+
+def test_preemption_picks_newest():
+    cache = PagedKVCache(CFG, 7, 2, torch.float32, "cpu")
+    sched = Scheduler(cache, 8, 100)
+    for i in range(4):
+        r = Request(str(i), [1, 2, 3, 4], SamplingParams(max_new_tokens=50))
+        sched.add(Sequence(i, r, 0, [1, 2, 3, 4], 4))
+    plan = sched.schedule()  # each needs 3 free blocks to enter and takes 2: three get in
+    assert len(plan.prefill) == 3 and cache.allocator.num_free == 1
+    cache.plan_step([], [(s.seq_id, a, n) for s, a, n in plan.prefill])
+    for s, a, n in plan.prefill:
+        s.num_cached = a + n
+        s.tokens.append(1)
+        s.status = Status.DECODE
+    plan = sched.schedule()  # each needs a third block, one is free: the newest (2) must go
+    assert [s.seq_id for s in plan.preempted] == [2]
+    assert [s.seq_id for s in sched.waiting] == [2, 3]  # requeued at the front, ahead of 3
+    assert [s.seq_id for s in plan.decode] == [0, 1] and not plan.prefill  # no admission while preempting
+    assert plan.recomputed == 4 and sched.waiting[0].num_cached == 0
