@@ -6,7 +6,6 @@ Exit codes: 0 success, 2 usage/config error (nothing ran), 1 runtime error, 130 
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import traceback
@@ -56,15 +55,6 @@ def overrides(**kw) -> dict:
             "min_p": "sampling.min_p", "repetition_penalty": "sampling.repetition_penalty",
             "seed": "sampling.seed", "ignore_eos": "sampling.ignore_eos"}
     return {keys[k]: v for k, v in kw.items() if k in keys and v is not None}
-
-
-def write_stats(path: Path | None, stats: dict) -> None:
-    if path is None:
-        return
-    try:
-        path.write_text(json.dumps(stats, indent=2) + "\n")
-    except OSError as e:
-        raise TinyLLMError(f"cannot write stats to {path}: {e.strerror}")
 
 
 # ---- generate ------------------------------------------------------------------------------
@@ -170,6 +160,8 @@ def inspect_blocks(
     """Show the paged cache's block map, block tables, free list and timeline."""
     from .config import load_config
     from .inspect_blocks import run_inspect
+    if num_blocks is None and kv_memory is None:
+        num_blocks = 64  # a pool small enough to read as a map (and to see preemption)
     cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, block_size=block_size,
                                          num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, cache="paged", ignore_eos=True,

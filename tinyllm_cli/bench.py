@@ -1,0 +1,170 @@
+"""``tinyllm bench``: one seeded workload, run once per cache kind x block size at equal KV bytes.
+
+Invariants:
+- Every run gets the identical list of prompt ids and output lengths (greedy, ``ignore_eos``),
+  so runs differ only in the cache; the slot cache gets exactly the paged cache's KV bytes.
+- The model is loaded once; each run builds a fresh cache and engine.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .config import Config
+from .engine.request import Request, SamplingParams
+from .errors import TinyLLMError, UsageError
+from .io import RequestBuilder, check_prompt_file, read_records, record_id
+from .report import bench_table, stderr_console
+from .runtime import Runtime, kv_budget, load_runtime, make_engine
+
+
+@dataclass
+class BenchSpec:
+    block_sizes: list[int]
+    caches: list[str]
+    num_prompts: int
+    input_len: int
+    output_len: int
+    range_ratio: float
+    prompts: str | None
+    seed: int
+    warmup: bool
+    chat: bool
+
+    @classmethod
+    def parse(cls, block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts, seed,
+              warmup, chat, cfg: Config) -> "BenchSpec":
+        sizes = _int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
+        kinds = [c.strip() for c in caches.split(",") if c.strip()]
+        bad = [k for k in kinds if k not in ("paged", "slot")]
+        if bad or not kinds:
+            raise UsageError(f"--cache takes a comma list of paged and slot, not {caches!r}")
+        for name, v in (("--num-prompts", num_prompts), ("--input-len", input_len), ("--output-len", output_len)):
+            if v <= 0:
+                raise UsageError(f"{name} must be a positive integer, not {v}")
+        if not 0 <= range_ratio < 1:
+            raise UsageError(f"--range-ratio must be in [0, 1), not {range_ratio}")
+        if prompts:
+            check_prompt_file(prompts)
+        return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat)
+
+    def combos(self) -> list[tuple[str, int]]:
+        out = []
+        for kind in self.caches:
+            if kind == "slot":
+                out.append(("slot", 0))  # one row: the slot cache has no block size
+            else:
+                out += [("paged", b) for b in self.block_sizes]
+        return out
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes a comma list of integers, not {text!r}")
+    if not vals or any(v <= 0 for v in vals):
+        raise UsageError(f"{flag} values must be positive integers, not {text!r}")
+    return vals
+
+
+def random_prompts(model_cfg, num: int, input_len: int, range_ratio: float, seed: int) -> list[list[int]]:
+    """Seeded random-token prompts with lengths uniform in L*(1-r)..L*(1+r) (vLLM's convention),
+    drawn above the special-token ids so no prompt contains an EOS."""
+    g = torch.Generator().manual_seed(seed)
+    lo = max(1, int(input_len * (1 - range_ratio)))
+    hi = max(lo, int(input_len * (1 + range_ratio)))
+    lens = torch.randint(lo, hi + 1, (num,), generator=g).tolist()
+    vocab = model_cfg.vocab_size
+    special = set(model_cfg.eos_token_ids) | {model_cfg.bos_token_id or 0}
+    low = max(special) + 1 if max(special) < vocab // 2 else 0
+    return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def random_workload(spec: BenchSpec, rt: Runtime) -> list[list[int]]:
+    return random_prompts(rt.model.cfg, spec.num_prompts, spec.input_len, spec.range_ratio, spec.seed)
+
+
+def file_workload(spec: BenchSpec, rt: Runtime, cfg: Config) -> list[list[int]]:
+    return prompts_from_file(spec.prompts, rt, cfg, spec.chat)
+
+
+def prompts_from_file(path: str, rt: Runtime, cfg: Config, chat: bool) -> list[list[int]]:
+    builder = RequestBuilder(rt.tokenizer, chat, cfg.sampling)
+    out = []
+    for n, (lineno, rec) in enumerate(read_records(path)):
+        req = builder.build(n, lineno, rec, record_id(n, rec))
+        if req.error:
+            raise UsageError(f"{path}: {req.error}")
+        out.append(req.prompt_token_ids)
+    if not out:
+        raise UsageError(f"prompts file {path!r} has no prompts")
+    return out
+
+
+def requests_for(workload: list[list[int]], output_len: int) -> list[Request]:
+    return [Request(str(i), ids, SamplingParams(max_new_tokens=output_len, ignore_eos=True), index=i)
+            for i, ids in enumerate(workload)]
+
+
+def run_one(cfg: Config, rt: Runtime, kind: str, block_size: int, budget: int,
+            workload: list[list[int]], output_len: int) -> dict:
+    c = dataclasses.replace(cfg.cache, kind=kind, block_size=block_size or cfg.cache.block_size,
+                            num_blocks=None, kv_memory=str(budget))
+    engine = make_engine(dataclasses.replace(cfg, cache=c), rt)
+    outs = list(engine.run(requests_for(workload, output_len)))
+    failed = [o for o in outs if o.finish_reason == "error"]
+    if failed:
+        raise TinyLLMError(f"bench request {failed[0].id} failed on the {kind} cache: {failed[0].error}")
+    return engine.stats.summary()
+
+
+def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path | None, quiet: bool) -> int:
+    rt = load_runtime(cfg, progress=not quiet)
+    workload = file_workload(spec, rt, cfg) if spec.prompts else random_workload(spec, rt)
+    budget = kv_budget(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, block_size=spec.block_sizes[0])),
+                       rt.model.cfg, rt.dtype)
+    if spec.warmup:  # first-call costs (allocator, kernels) must not land on the first row
+        run_one(cfg, rt, "paged", spec.block_sizes[0], budget, workload[:2], 4)
+    rows = []
+    for kind, bs in tqdm(spec.combos(), desc="bench", unit="run", file=sys.stderr, disable=quiet):
+        row = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len)
+        row |= {"model": rt.model_name, "dtype": str(rt.dtype).removeprefix("torch."),
+                "device": str(rt.device), "num_prompts": len(workload), "output_len": spec.output_len,
+                "mean_input_len": round(sum(map(len, workload)) / len(workload), 1)}
+        rows.append(row)
+    write_rows(rows, json_out, csv_out)
+    if not quiet:
+        title = (f"tinyllm bench · {rt.model_name} · {len(workload)} prompts, "
+                 f"~{rows[0]['mean_input_len']:.0f} in / {spec.output_len} out · KV {budget / 2**20:.0f} MiB")
+        stderr_console().print(bench_table(rows, title))
+    return 0
+
+
+CSV_SKIP = {"ttft_s", "tpot_s", "latency_s"}
+
+
+def write_rows(rows: list[dict], json_out: Path | None, csv_out: Path | None) -> None:
+    try:
+        if json_out is not None:
+            text = json.dumps(rows, indent=2) + "\n"
+            sys.stdout.write(text) if str(json_out) == "-" else json_out.write_text(text)
+        if csv_out is not None:
+            flat = [{k: v for k, v in r.items() if k not in CSV_SKIP} |
+                    {f"{k}_{p}": r[k][p] for k in CSV_SKIP for p in ("p50", "p90", "p99")} for r in rows]
+            fh = sys.stdout if str(csv_out) == "-" else csv_out.open("w", newline="")
+            w = csv.DictWriter(fh, fieldnames=list(flat[0]))
+            w.writeheader()
+            w.writerows(flat)
+            if fh is not sys.stdout:
+                fh.close()
+    except OSError as e:
+        raise TinyLLMError(f"cannot write bench results: {e.strerror}")
