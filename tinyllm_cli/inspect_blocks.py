@@ -109,7 +109,7 @@ def render(report: dict) -> None:
              f"{snap['blocks_free']} free of {snap['num_blocks']} x {snap['block_size']} tokens, "
              f"utilization {snap['utilization']:.1%}")
     con.print(block_map(snap["owner"] + [-1]))
-    con.print("[dim]█ a block, coloured by owning sequence · free   S scratch (never allocated)[/dim]")
+    con.print("[dim]one cell per block: owning seq id (mod 61, as 0-9a-zA-Z) · free   S scratch (never allocated)[/dim]")
     t = Table(title="block tables (logical -> physical)", header_style="bold")
     for col in ("seq", "request", "tokens", "blocks", "last block", "table"):
         t.add_column(col, justify="right" if col != "table" else "left")

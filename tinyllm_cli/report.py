@@ -3,6 +3,8 @@ the engine did not record. Everything here prints to stderr: stdout is for resul
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -11,7 +13,9 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True, highlight=False)
+    # Logs and pipes get a wide fixed width: rich's 80-column fallback would squash the tables.
+    width = None if sys.stderr.isatty() else 160
+    return Console(stderr=True, highlight=False, width=width)
 
 
 def _ms(x) -> str:
@@ -99,8 +103,12 @@ PALETTE = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "b
            "bright_yellow", "bright_blue", "bright_magenta", "bright_cyan"]
 
 
+CELL = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRTUVWXYZ"  # no 'S': that is scratch
+
+
 def block_map(owner: list[int | None], width: int = 64) -> Text:
-    """One cell per physical block: coloured by owning sequence, '·' free, 'S' scratch (last)."""
+    """One cell per physical block, a character and colour per owning sequence (seq id mod 61),
+    '·' free, 'S' the scratch block (last). Readable without colour too (logs, pipes)."""
     text = Text()
     for i, o in enumerate(owner):
         if i and i % width == 0:
@@ -110,5 +118,5 @@ def block_map(owner: list[int | None], width: int = 64) -> Text:
         elif o == -1:
             text.append("S", style="bold white on black")
         else:
-            text.append("█", style=PALETTE[o % len(PALETTE)])
+            text.append(CELL[o % len(CELL)], style=f"bold {PALETTE[o % len(PALETTE)]}")
     return text

@@ -1,0 +1,185 @@
+"""The commands as users run them: results on stdout/files, tables on stderr, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tinyllm_cli.cli import main
+
+
+def cli(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def jsonl(text):
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def id_prompts(tmp_path):
+    p = tmp_path / "p.jsonl"
+    rows = [{"id": f"r{i}", "prompt_token_ids": list(range(5 + i, 15 + 3 * i)), "max_new_tokens": 4 + i}
+            for i in range(6)]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return p
+
+
+def test_generate_default_model_answers(capsys, tmp_path):
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("What is the capital of France?\n\nWhat is 2+2?\n")
+    stats = tmp_path / "stats.json"
+    code, out, err = cli(capsys, "generate", "--prompts", prompts, "--max-new-tokens", 24, "--stats-json", stats)
+    assert code == 0
+    rows = jsonl(out)
+    assert [r["id"] for r in rows] == [0, 1]  # blank line skipped, input order
+    assert "Paris" in rows[0]["text"]
+    for r in rows:
+        assert r["finish_reason"] in ("stop", "length") and r["error"] is None
+        assert r["num_output_tokens"] == len(r["token_ids"]) and r["num_prompt_tokens"] == len(r["prompt_token_ids"])
+        assert r["prompt_token_ids"][:2] == [1, 9690]  # chat template applied: <|im_start|>system
+    assert "output tok/s" in err and "{" not in err.splitlines()[-1]
+    s = json.loads(stats.read_text())
+    for key in ("num_requests", "num_failed", "prompt_tokens", "output_tokens", "elapsed_s", "output_tokens_per_s",
+                "total_tokens_per_s", "cache_kind", "block_size", "num_blocks", "kv_bytes", "peak_running",
+                "peak_blocks_used", "mean_block_utilization", "preemptions", "recomputed_tokens"):
+        assert key in s
+    assert s["num_requests"] == 2 and s["output_tokens"] == sum(r["num_output_tokens"] for r in rows)
+    assert set(s["ttft_s"]) >= {"p50", "p90", "p99"}
+
+
+def test_generate_raw_skips_chat_template(capsys, tmp_path):
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("The capital of France is\n")
+    code, out, _ = cli(capsys, "generate", "-p", prompts, "--raw", "--max-new-tokens", 4, "-q")
+    (row,) = jsonl(out)
+    assert code == 0 and row["prompt_token_ids"][0] != 1 and len(row["prompt_token_ids"]) < 10
+
+
+def test_generate_tiny_model_slot_and_paged_agree(capsys, llama_dir, id_prompts):
+    outs = {}
+    for kind in ("paged", "slot"):
+        code, out, err = cli(capsys, "generate", "-p", id_prompts, "--model", llama_dir, "--cache", kind,
+                             "--block-size", 4, "--max-model-len", 64, "--ignore-eos", "-q")
+        assert code == 0 and err == ""
+        outs[kind] = jsonl(out)
+    assert [r["token_ids"] for r in outs["paged"]] == [r["token_ids"] for r in outs["slot"]]
+    assert [r["num_output_tokens"] for r in outs["paged"]] == [4 + i for i in range(6)]
+    assert outs["paged"][0]["text"] is None  # no tokenizer files: ids only
+
+
+def test_generate_bad_lines_are_errors_not_crashes(capsys, llama_dir, tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": "a", "prompt_token_ids": [5, 6, 7], "max_new_tokens": 3}\n'
+                 'not json\n'
+                 '{"id": "b", "prompt_token_ids": [5, 99999]}\n'
+                 '{"id": "c", "temprature": 0.5, "prompt_token_ids": [5]}\n'
+                 '{"id": "d", "prompt_token_ids": [5, 6], "max_new_tokens": "many"}\n'
+                 '{"id": "e", "prompt_token_ids": [8, 9], "max_new_tokens": 2}\n')
+    code, out, err = cli(capsys, "generate", "-p", p, "--model", llama_dir, "-q")
+    rows = jsonl(out)
+    assert code == 0
+    assert [r["finish_reason"] for r in rows] == ["length", "error", "error", "error", "error", "length"]
+    assert "not valid JSON" in rows[1]["error"]
+    assert "vocabulary" in rows[2]["error"]
+    assert "temperature" in rows[3]["error"]
+    assert "max_new_tokens" in rows[4]["error"]
+    code, _, _ = cli(capsys, "generate", "-p", p, "--model", llama_dir, "-q", "--strict")
+    assert code == 1
+
+
+def test_resume_appends_only_missing(capsys, llama_dir, id_prompts, tmp_path):
+    full = tmp_path / "full.jsonl"
+    args = ["generate", "-p", id_prompts, "--model", llama_dir, "--ignore-eos", "-q"]
+    assert cli(capsys, *args, "-o", full)[0] == 0
+    lines = full.read_text().splitlines(keepends=True)
+    part = tmp_path / "part.jsonl"
+    part.write_text("".join(lines[:2]) + lines[2][:15])  # two results and a torn third line
+    assert cli(capsys, *args, "-o", part, "--resume")[0] == 0
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "metrics"} for r in rows]
+    assert strip(jsonl(part.read_text())) == strip(jsonl(full.read_text()))
+
+
+@pytest.mark.parametrize("yaml_text, needle", [
+    ("cache:\n  block_sise: 8\n", "did you mean 'cache.block_size'"),
+    ("cache:\n  block_size: 0\n", "cache.block_size"),
+    ("cache:\n  block_size: eight\n", "line 2"),
+    ("sampling: {temperature: [1\n", "not valid YAML"),
+    ("modle: default\n", "did you mean 'model'"),
+    ("cache:\n  kind: ring\n", "paged"),
+    ("cache:\n  num_blocks: 2\n", "max_num_seqs"),
+])
+def test_config_errors_exit_2_with_one_sentence(capsys, tmp_path, yaml_text, needle):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_text)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    code, out, err = cli(capsys, "generate", "-p", prompts, "--config", cfg)
+    assert code == 2 and out == ""
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_flags_override_config(capsys, llama_dir, id_prompts, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {llama_dir}\ncache:\n  block_size: 4\nsampling:\n  max_new_tokens: 2\n  ignore_eos: true\n")
+    stats = tmp_path / "s.json"
+    code, out, _ = cli(capsys, "generate", "-p", id_prompts, "-c", cfg, "--block-size", 8, "-q", "--stats-json", stats)
+    s = json.loads(stats.read_text())
+    assert code == 0 and s["block_size"] == 8
+    # Per-request max_new_tokens in the JSONL wins over the config default.
+    assert [r["num_output_tokens"] for r in jsonl(out)] == [4 + i for i in range(6)]
+
+
+def test_default_config_file_matches_builtin():
+    from tinyllm_cli.config import Config, load_config
+    assert load_config("configs/default.yaml") == Config()
+
+
+@pytest.mark.parametrize("args, code, needle", [
+    (["generate", "-p", "/nonexistent.txt"], 2, "does not exist"),
+    (["generate", "-p", "."], 2, "directory"),
+    (["generate", "-p", "prompts/questions.txt", "--model", "/no/such/model"], 2, "not found"),
+    (["generate", "-p", "prompts/questions.txt", "--device", "tpu"], 2, "device"),
+    (["generate", "-p", "prompts/questions.txt", "--resume"], 2, "--output"),
+    (["bench", "--block-size", "8,x"], 2, "--block-size"),
+    (["inspect-blocks", "--at", "soon"], 2, "--at"),
+])
+def test_usage_errors(capsys, args, code, needle):
+    got, out, err = cli(capsys, *args)
+    assert got == code and needle in err and "Traceback" not in err and out == ""
+
+
+def test_bench_rows(capsys, llama_dir, tmp_path):
+    js, cs = tmp_path / "b.json", tmp_path / "b.csv"
+    code, out, err = cli(capsys, "bench", "--model", llama_dir, "--block-size", "4,16", "--cache", "paged,slot",
+                         "--num-prompts", 6, "--input-len", 20, "--output-len", 8, "--max-model-len", 64,
+                         "--kv-memory", "256KiB", "--json", js, "--csv", cs)
+    assert code == 0 and out == ""
+    rows = json.loads(js.read_text())
+    assert [(r["cache_kind"], r["block_size"]) for r in rows] == [("paged", 4), ("paged", 16), ("slot", 64)]
+    assert len({r["kv_bytes"] for r in rows}) <= 3 and all(r["kv_bytes"] <= 256 * 1024 for r in rows)
+    assert all(r["output_tokens"] == 6 * 8 for r in rows)  # identical work in every run
+    paged, slot = rows[0], rows[2]
+    assert paged["peak_running"] > slot["peak_running"]  # the point of paging, at equal memory
+    assert "out tok/s" in err and len(cs.read_text().splitlines()) == 4
+
+
+def test_inspect_blocks_snapshot(capsys, llama_dir, tmp_path):
+    js = tmp_path / "i.json"
+    code, out, err = cli(capsys, "inspect-blocks", "--model", llama_dir, "--num-prompts", 6, "--input-len", 20,
+                         "--output-len", 10, "--num-blocks", 12, "--block-size", 4, "--max-num-seqs", 6,
+                         "--json", js)
+    assert code == 0
+    rep = json.loads(js.read_text())
+    snap = rep["snapshot"]
+    assert snap["blocks_used"] == sum(o is not None for o in snap["owner"]) == sum(len(t["blocks"]) for t in snap["tables"])
+    assert snap["blocks_used"] + len(snap["free_list"]) == 12
+    assert rep["summary"]["preemptions"] > 0 and rep["preemption_steps"]
+    assert len(rep["timeline"]) == rep["summary"]["steps"]
+    assert "block map" in err and "free list" in err
+    code, _, err = cli(capsys, "inspect-blocks", "--model", llama_dir, "--num-prompts", 2, "--at", 100000, "-q")
+    assert code == 1 and "no step" in err
