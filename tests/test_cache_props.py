@@ -53,7 +53,10 @@ def test_allocator_never_hands_out_a_block_twice(ops):
 def check_invariants(cache: PagedKVCache, sched: Scheduler) -> None:
     owned = [b for t in cache.tables.values() for b in t]
     assert len(owned) == len(set(owned)), "a block is in two tables"
-    assert set(owned) == cache.allocator._used
+    evictable = set(cache.pool.evictable)
+    assert evictable.isdisjoint(owned) and set(owned) | evictable == cache.allocator._used
+    for b in range(cache.num_blocks):  # a block is referenced exactly by the tables holding it
+        assert cache.pool.ref[b] == owned.count(b)
     assert cache.allocator.num_free + cache.allocator.num_used == cache.num_blocks
     assert cache.num_blocks not in owned  # the scratch block is never handed out
     running = {s.seq_id: s for s in sched.running}
@@ -138,4 +141,4 @@ def test_preemption_picks_newest():
     assert [s.seq_id for s in plan.preempted] == [2]
     assert [s.seq_id for s in sched.waiting] == [2, 3]  # requeued at the front, ahead of 3
     assert [s.seq_id for s in plan.decode] == [0, 1] and not plan.prefill  # no admission while preempting
-    assert plan.recomputed == 4 and sched.waiting[0].num_cached == 0
+    assert sched.waiting[0].lost_tokens == 4 and sched.waiting[0].num_cached == 0  # counted on re-admission

@@ -39,6 +39,8 @@ TopKOpt = Annotated[Optional[int], typer.Option(help="0 = off.")]
 MinPOpt = Annotated[Optional[float], typer.Option()]
 RepOpt = Annotated[Optional[float], typer.Option(help="1.0 = off.")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Sampling seed (per request streams derive from it).")]
+PrefixOpt = Annotated[Optional[bool], typer.Option("--prefix-cache/--no-prefix-cache",
+                                                   help="Reuse K/V of shared prompt prefixes (paged; default on).")]
 EosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="Keep generating past EOS.")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Wrap plain prompts in the model's chat template.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")]
@@ -53,7 +55,7 @@ def overrides(**kw) -> dict:
             "max_prefill_tokens": "scheduler.max_prefill_tokens", "max_new_tokens": "sampling.max_new_tokens",
             "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
             "min_p": "sampling.min_p", "repetition_penalty": "sampling.repetition_penalty",
-            "seed": "sampling.seed", "ignore_eos": "sampling.ignore_eos"}
+            "seed": "sampling.seed", "ignore_eos": "sampling.ignore_eos", "prefix_cache": "cache.prefix_caching"}
     return {keys[k]: v for k, v in kw.items() if k in keys and v is not None}
 
 
@@ -71,7 +73,7 @@ def generate(
     max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
     top_p: TopPOpt = None, top_k: TopKOpt = None, min_p: MinPOpt = None, repetition_penalty: RepOpt = None,
     seed: SeedOpt = None, ignore_eos: EosOpt = None, chat: ChatOpt = True, quiet: QuietOpt = False,
-    debug: DebugOpt = False, stats_json: StatsOpt = None,
+    debug: DebugOpt = False, stats_json: StatsOpt = None, prefix_cache: PrefixOpt = None,
 ):
     """Generate completions for a file of prompts; results in input order as JSONL."""
     from .commands import run_generate
@@ -97,7 +99,7 @@ def serve_batch(
     kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None,
     max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
     top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None, ignore_eos: EosOpt = None,
-    quiet: QuietOpt = False, debug: DebugOpt = False, stats_json: StatsOpt = None,
+    quiet: QuietOpt = False, debug: DebugOpt = False, stats_json: StatsOpt = None, prefix_cache: PrefixOpt = None,
 ):
     """Serve OpenAI Batch API requests as a stream; results in completion order."""
     from .config import load_config
@@ -128,14 +130,15 @@ def bench(
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
     max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
-    quiet: QuietOpt = False, debug: DebugOpt = False,
+    quiet: QuietOpt = False, debug: DebugOpt = False, prefix_cache: PrefixOpt = None,
 ):
     """Run one seeded workload per cache kind x block size at equal KV memory; one row each."""
     from .bench import BenchSpec, run_bench
     from .config import load_config
     cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, num_blocks=num_blocks,
                                          kv_memory=kv_memory, max_num_seqs=max_num_seqs,
-                                         max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens))
+                                         max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
+                                         prefix_cache=prefix_cache))
     spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
                            bench_seed, warmup, chat, cfg)
     raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet))
@@ -155,7 +158,8 @@ def inspect_blocks(
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
     max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None, chat: ChatOpt = False,
-    quiet: QuietOpt = False, debug: DebugOpt = False,
+    quiet: QuietOpt = False, debug: DebugOpt = False, prefix_cache: PrefixOpt = None,
+    max_prefill_tokens: PrefillOpt = None,
 ):
     """Show the paged cache's block map, block tables, free list and timeline."""
     from .config import load_config
@@ -165,7 +169,8 @@ def inspect_blocks(
     cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, block_size=block_size,
                                          num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, cache="paged", ignore_eos=True,
-                                         max_new_tokens=output_len))
+                                         max_new_tokens=output_len, prefix_cache=prefix_cache,
+                                         max_prefill_tokens=max_prefill_tokens))
     raise typer.Exit(run_inspect(cfg, prompts, num_prompts, input_len, output_len, range_ratio, at,
                                  json_out, chat, quiet))
 

@@ -29,6 +29,7 @@ class CacheConfig:
     num_blocks: int | None = None  # wins over kv_memory when set
     kv_memory: str = "512MiB"
     max_model_len: int = 2048
+    prefix_caching: bool = True  # paged only: reuse K/V blocks of shared prompt prefixes
 
 
 @dataclass

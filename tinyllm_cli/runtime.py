@@ -74,8 +74,10 @@ def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
         if c.kind == "slot":
             return SlotKVCache.from_budget(mcfg, kv_budget(cfg, mcfg, rt.dtype), max_len, rt.dtype, rt.device)
         if c.num_blocks is not None:
-            return PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device)
-        return PagedKVCache.from_budget(mcfg, parse_bytes(c.kv_memory), c.block_size, rt.dtype, rt.device)
+            return PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device,
+                                prefix_caching=c.prefix_caching)
+        return PagedKVCache.from_budget(mcfg, parse_bytes(c.kv_memory), c.block_size, rt.dtype, rt.device,
+                                        prefix_caching=c.prefix_caching)
     except CacheError as e:
         raise UsageError(str(e))
 

@@ -10,6 +10,8 @@ Invariants:
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 
 class BlockError(RuntimeError):
     """Misuse of the allocator (double free, foreign id, allocation from an empty pool)."""
@@ -54,3 +56,91 @@ class BlockAllocator:
     def free_list(self) -> list[int]:
         """Free ids in the order they will be handed out (next first)."""
         return self._free[::-1]
+
+
+class BlockPool:
+    """Reference-counted blocks over a ``BlockAllocator``, with optional prefix caching.
+
+    With caching on, every full block may be registered under a hash chained from its parent's
+    hash and its own token ids. A block whose last user leaves keeps its contents and hash and
+    becomes *evictable*: it still counts as free space, but a later request with the same prefix
+    can take it back. Fresh blocks are handed out first; only then is the least recently
+    released evictable block reused (and its hash forgotten).
+
+    Invariants: ``ref[b] > 0`` exactly for blocks in some table; evictable blocks have ``ref 0``
+    and a hash; a lookup only returns a block whose stored tokens and parent hash match.
+    """
+
+    def __init__(self, num_blocks: int, caching: bool = False):
+        self.allocator = BlockAllocator(num_blocks)
+        self.caching = caching
+        self.ref = [0] * num_blocks
+        self.key_of: dict[int, tuple] = {}  # block -> (hash, parent hash, tokens)
+        self.by_hash: dict[int, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.shared_extra = 0  # sum over blocks of max(0, ref - 1)
+        self.peak_active = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free + len(self.evictable)
+
+    @property
+    def num_active(self) -> int:
+        return self.allocator.num_used - len(self.evictable)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise BlockError(f"asked for {n} blocks but only {self.num_free} are free")
+        fresh = min(n, self.allocator.num_free)
+        out = self.allocator.allocate(fresh) if fresh else []
+        while len(out) < n:  # reuse the least recently released cached block
+            b, _ = self.evictable.popitem(last=False)
+            self._forget(b)
+            out.append(b)
+        for b in out:
+            self.ref[b] = 1
+        self.peak_active = max(self.peak_active, self.num_active)
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref[b] <= 0:
+                raise BlockError(f"block {b} is not held by anyone (double release)")
+            self.ref[b] -= 1
+            if self.ref[b] >= 1:
+                self.shared_extra -= 1
+            elif b in self.key_of:
+                self.evictable[b] = None  # most recently released at the end
+            else:
+                self.allocator.free([b])
+
+    def share(self, b: int) -> None:
+        """Take another reference to a cached block (a prefix hit)."""
+        if self.ref[b] == 0:
+            del self.evictable[b]
+        else:
+            self.shared_extra += 1
+        self.ref[b] += 1
+        self.peak_active = max(self.peak_active, self.num_active)
+
+    def lookup(self, h: int, parent: int | None, tokens: tuple) -> int | None:
+        b = self.by_hash.get(h)
+        if b is None:
+            return None
+        _, p, toks = self.key_of[b]
+        return b if p == parent and toks == tokens else None  # a hash collision is a miss
+
+    def register(self, b: int, h: int, parent: int | None, tokens: tuple) -> None:
+        if not self.caching or b in self.key_of or h in self.by_hash:
+            return  # identical content already cached under another block: keep that one
+        self.key_of[b] = (h, parent, tokens)
+        self.by_hash[h] = b
+
+    def _forget(self, b: int) -> None:
+        h, _, _ = self.key_of.pop(b)
+        if self.by_hash.get(h) == b:
+            del self.by_hash[h]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.llama import ModelConfig
-from .allocator import BlockAllocator
+from .allocator import BlockPool
 from .attention import PrefillSegment, StepAttention
 
 
@@ -70,9 +70,11 @@ class CacheUsage:
     """A snapshot for stats; cheap (no device work)."""
 
     blocks_used: int
-    blocks_free: int
+    blocks_free: int  # includes cached blocks no sequence holds (reusable on a prefix hit)
     tokens_stored: int
     slots_allocated: int
+    blocks_cached_free: int = 0
+    shared_refs: int = 0  # extra references to shared blocks
 
     @property
     def wasted_slots(self) -> int:
@@ -87,7 +89,7 @@ class PagedKVCache:
     kind = "paged"
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, scratch_slots: int | None = None):
+                 device: torch.device | str, scratch_slots: int | None = None, prefix_caching: bool = False):
         if block_size <= 0 or num_blocks <= 0:
             raise CacheError("block_size and num_blocks must be positive")
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
@@ -105,9 +107,17 @@ class PagedKVCache:
         shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.allocator = BlockAllocator(num_blocks)
+        self.pool = BlockPool(num_blocks, caching=prefix_caching)
+        self.allocator = self.pool.allocator
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
+        self.hashes: dict[int, list[int]] = {}  # per sequence: chained hash of each full block
+        self.prefix_queries = 0  # prompt tokens looked up at admission
+        self.prefix_hits = 0  # of those, tokens whose K/V were reused
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.caching
 
     # ---- sizing -------------------------------------------------------------------------
 
@@ -129,14 +139,62 @@ class PagedKVCache:
     # ---- check / act pairs for the scheduler -------------------------------------------
 
     def can_admit(self, n_tokens: int) -> bool:
-        return self.allocator.can_allocate(self.blocks_for(n_tokens))
+        return self.pool.can_allocate(self.blocks_for(n_tokens))
 
-    def admit(self, seq_id: int, n_tokens: int) -> None:
-        """Take blocks for ``n_tokens`` positions (the prompt, or all tokens on a recompute)."""
+    def try_admit(self, seq_id: int, tokens: list[int]) -> int | None:
+        """Admit a sequence if its tokens plus one fit; returns how many leading tokens already
+        have K/V (prefix-cache hits, whole blocks), or None when it does not fit now.
+
+        At least one token is always left to compute (the step needs its logits), so a prompt
+        that is entirely cached gives up its last block: it is recomputed into a fresh block
+        rather than written into a shared one.
+        """
         if seq_id in self.tables:
             raise CacheError(f"sequence {seq_id} is already in the cache")
-        self.tables[seq_id] = self.allocator.allocate(self.blocks_for(n_tokens))
-        self.lens[seq_id] = 0
+        hits, hashes = self._prefix_hits(tokens)
+        reclaimed = sum(self.pool.ref[b] == 0 for b in hits)  # evictable hits stop being free
+        if self.blocks_for(len(tokens) + 1) - len(hits) > self.pool.num_free - reclaimed:
+            return None
+        for b in hits:
+            self.pool.share(b)
+        self.tables[seq_id] = hits + self.pool.allocate(self.blocks_for(len(tokens)) - len(hits))
+        self.hashes[seq_id] = hashes
+        cached = len(hits) * self.block_size
+        self.lens[seq_id] = cached
+        if self.prefix_caching:
+            self.prefix_queries += len(tokens)
+            self.prefix_hits += cached
+        return cached
+
+    def _prefix_hits(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        hits: list[int] = []
+        hashes: list[int] = []
+        if not self.prefix_caching:
+            return hits, hashes
+        bs, parent = self.block_size, None
+        for j in range((len(tokens) - 1) // bs):
+            key = tuple(tokens[j * bs:(j + 1) * bs])
+            h = hash((parent, key))
+            b = self.pool.lookup(h, parent, key)
+            if b is None:
+                break
+            hits.append(b)
+            hashes.append(h)
+            parent = h
+        return hits, hashes
+
+    def commit(self, seq_id: int, tokens: list[int]) -> None:
+        """Register the blocks this sequence filled since the last call (prefix caching)."""
+        if not self.prefix_caching:
+            return
+        hashes, table, bs = self.hashes[seq_id], self.tables[seq_id], self.block_size
+        while len(hashes) < self.lens[seq_id] // bs:
+            j = len(hashes)
+            parent = hashes[-1] if hashes else None
+            key = tuple(tokens[j * bs:(j + 1) * bs])
+            h = hash((parent, key))
+            self.pool.register(table[j], h, parent, key)
+            hashes.append(h)
 
     def blocks_to_grow(self, seq_id: int, n_tokens: int) -> int:
         return max(0, self.blocks_for(n_tokens) - len(self.tables[seq_id]))
@@ -144,11 +202,14 @@ class PagedKVCache:
     def grow(self, seq_id: int, n_tokens: int) -> None:
         extra = self.blocks_to_grow(seq_id, n_tokens)
         if extra:
-            self.tables[seq_id].extend(self.allocator.allocate(extra))
+            self.tables[seq_id].extend(self.pool.allocate(extra))
 
     def release(self, seq_id: int) -> None:
-        self.allocator.free(self.tables.pop(seq_id))
+        # Tail first: cached blocks are evicted least-recently-released first, so a prefix
+        # (which other requests and this one's recompute can reuse) outlives its tail.
+        self.pool.release(self.tables.pop(seq_id)[::-1])
         del self.lens[seq_id]
+        del self.hashes[seq_id]
 
     def reserve(self, needs: list[tuple[int, int]]) -> list[int]:
         """Grow each ``(seq_id, n_tokens)`` (oldest first) to hold ``n_tokens`` positions.
@@ -161,7 +222,7 @@ class PagedKVCache:
         preempted: list[int] = []
         while live:
             need = sum(self.blocks_to_grow(s, n) for s, n in live)
-            if self.allocator.can_allocate(need):
+            if self.pool.can_allocate(need):
                 break
             victim, _ = live.pop()
             self.release(victim)
@@ -217,8 +278,11 @@ class PagedKVCache:
     # ---- observation ---------------------------------------------------------------------
 
     def usage(self) -> CacheUsage:
-        used = self.allocator.num_used
-        return CacheUsage(used, self.allocator.num_free, sum(self.lens.values()), used * self.block_size)
+        """Physical figures: a block shared by several sequences counts once."""
+        used = self.pool.num_active
+        stored = sum(self.lens.values()) - self.pool.shared_extra * self.block_size
+        return CacheUsage(used, self.pool.num_free, stored, used * self.block_size,
+                          len(self.pool.evictable), self.pool.shared_extra)
 
     def capacity_sequences(self) -> str:
         return f"{self.num_blocks} blocks x {self.block_size} tokens"

@@ -39,7 +39,8 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, cache.max_len)
         self.eos_ids = set(eos_ids if eos_ids is not None else model.cfg.eos_token_ids)
         self.scheduler = Scheduler(cache, max_num_seqs, max_prefill_tokens)
-        self.stats = RunStats(cache.kind, cache.block_size, cache.num_blocks, cache.kv_bytes, max_num_seqs)
+        self.stats = RunStats(cache.kind, cache.block_size, cache.num_blocks, cache.kv_bytes, max_num_seqs,
+                              cache=cache)
         self._ids = itertools.count()
         self._rng = random.Random(seed)
         self._step = 0
@@ -149,8 +150,10 @@ class LLMEngine:
     def _advance(self, plan: Plan) -> None:
         for s in plan.decode:
             s.num_cached += 1
+            self.cache.commit(s.seq_id, s.tokens)
         for s, start, n in plan.prefill:
             s.num_cached = start + n
+            self.cache.commit(s.seq_id, s.tokens)
 
     def _append(self, s: Sequence, tok: int) -> str | None:
         """Append a sampled token; return a finish reason if the sequence is done."""
@@ -221,5 +224,6 @@ class LLMEngine:
         self.stats.steps.append(StepRecord(
             self._step, round(time.perf_counter() - self.stats.start, 6), len(self.scheduler.running),
             len(self.scheduler.waiting), u.blocks_used, u.blocks_free, u.tokens_stored, u.slots_allocated,
-            sum(n for _, _, n in plan.prefill), len(plan.decode), n_pre, round(forward_s, 6)))
+            sum(n for _, _, n in plan.prefill), len(plan.decode), n_pre, round(forward_s, 6),
+            u.shared_refs, u.blocks_cached_free))
         self._step += 1

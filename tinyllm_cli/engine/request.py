@@ -96,6 +96,7 @@ class Sequence:
     finish_time: float | None = None
     preemptions: int = 0
     recomputed_tokens: int = 0
+    lost_tokens: int = 0  # K/V dropped by the last preemption, not yet recomputed
     text: str = ""
     stream: object = None  # TextStream when the request has stop strings
     finish_reason: str | None = None

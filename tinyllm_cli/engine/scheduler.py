@@ -27,7 +27,7 @@ class Plan:
     prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, start, n)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
-    recomputed: int = 0  # cached tokens the preempted sequences will have to compute again
+    recomputed: int = 0  # tokens computed before a preemption that re-admission computes again
 
     @property
     def empty(self) -> bool:
@@ -76,9 +76,7 @@ class Scheduler:
                 plan.failed.append(s)
                 continue
             s.status, s.preemptions = Status.WAITING, s.preemptions + 1
-            s.recomputed_tokens += s.num_cached
-            plan.recomputed += s.num_cached
-            s.num_cached = 0
+            s.lost_tokens, s.num_cached = s.num_cached, 0
             plan.preempted.append(s)
             self.waiting.appendleft(s)  # newest first in, so the oldest ends up in front
 
@@ -93,15 +91,20 @@ class Scheduler:
     def _admit(self, plan: Plan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
-            if not self.cache.can_admit(s.num_tokens + 1):
+            cached = self.cache.try_admit(s.seq_id, s.tokens)
+            if cached is None:
                 if not self.running and not self.cache.fits_alone(s.num_tokens + 1):
                     plan.failed.append(self.waiting.popleft())
                     continue
                 break
             self.waiting.popleft()
-            self.cache.admit(s.seq_id, s.num_tokens)
-            s.status, s.num_cached = Status.PREFILL, 0
+            # What a preemption threw away and the prefix cache could not give back.
+            redo = max(0, s.lost_tokens - cached)
+            s.recomputed_tokens += redo
+            plan.recomputed += redo
+            s.lost_tokens = 0
+            s.status, s.num_cached = Status.PREFILL, cached
             self.running.append(s)
-            n = min(s.num_tokens, budget)
-            plan.prefill.append((s, 0, n))
+            n = min(s.num_tokens - cached, budget)
+            plan.prefill.append((s, cached, n))
             budget -= n

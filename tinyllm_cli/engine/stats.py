@@ -25,6 +25,8 @@ class StepRecord:
     decode_tokens: int
     preempted: int
     forward_s: float
+    shared_refs: int = 0  # extra references to shared (prefix-cached) blocks
+    cached_free: int = 0  # free blocks that still hold a cached prefix
 
     @property
     def utilization(self) -> float:
@@ -51,6 +53,7 @@ class RunStats:
     num_blocks: int
     kv_bytes: int
     max_num_seqs: int
+    cache: object = None  # read for prefix-cache counters at summary time
     steps: list[StepRecord] = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
     end: float | None = None
@@ -101,12 +104,23 @@ class RunStats:
             "peak_wasted_slots": max((s.slots_allocated - s.tokens_stored for s in used), default=0),
             "preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
             "prefill_tokens": sum(s.prefill_tokens for s in self.steps),
+            **self._prefix_summary(),
             "decode_tokens": sum(s.decode_tokens for s in self.steps),
             "forward_s": round(self.forward_s, 4),
             "engine_overhead_frac": round(max(0.0, 1 - self.forward_s / el), 4),
             "ttft_s": percentiles(self.ttft), "tpot_s": percentiles(self.tpot),
             "latency_s": percentiles(self.latency),
         }
+
+    def _prefix_summary(self) -> dict:
+        c = self.cache
+        q = getattr(c, "prefix_queries", 0)
+        h = getattr(c, "prefix_hits", 0)
+        return {"prefix_caching": bool(getattr(c, "prefix_caching", False)),
+                "prefix_cache_queries": q, "prefix_cache_hits": h,
+                "prefix_cache_hit_rate": round(h / q, 4) if q else 0.0,
+                "prefill_tokens_skipped": h,
+                "peak_shared_refs": max((s.shared_refs for s in self.steps), default=0)}
 
     def timeline(self) -> list[dict]:
         return [asdict(s) | {"utilization": round(s.utilization, 4)} for s in self.steps]
