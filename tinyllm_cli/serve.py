@@ -12,13 +12,16 @@ Design:
   short timeout only when it is idle.
 - Parsed requests wait in a local backlog until they are due (``--request-rate``: Poisson
   arrivals, exponential gaps from a seeded RNG, never earlier than the line was read) and there is
-  room in the engine (``--max-inflight``: waiting + running). Engine latency figures (TTFT,
-  latency) are measured from the moment a request enters the engine, as a client sees them.
+  room in the engine (``--max-inflight``: waiting + running; no limit by default, so every
+  request read joins the engine at once). Arrivals take effect between engine steps. Latency
+  figures (TTFT, latency) are measured from the moment a request enters the engine, so time
+  spent held back by ``--max-inflight`` is not counted (as with a client-side concurrency cap).
 - Every result is one line written with a single ``write`` and flushed, in completion order, so
   an interrupted run leaves valid JSONL with every finished result in it.
 - A bad line (not JSON, a missing or mistyped field, an unknown url, a duplicate ``custom_id``,
   a request the engine rejects) becomes an error line and the stream goes on. ``id`` and
-  ``request_id`` carry the input line number: ``batch_req_<line>``, ``req_<line>``.
+  ``request_id`` carry the input line number: ``batch_req_<line>``, ``req_<line>``. A duplicate
+  ``custom_id``'s error line has ``custom_id: null``, so it cannot overwrite the first one's answer.
 - Models without a tokenizer (token-id prompts only) give ``text: null`` and add the generated
   ``token_ids`` to the choice.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import random
 import sys
 import threading
@@ -155,6 +159,8 @@ def parse_request(lineno: int, rec: dict, builder: RequestBuilder, seen: set[str
                 raise ValueError(f"{COMPLETIONS} needs 'prompt'" + (" (not 'messages'; use "
                                  f"{CHAT})" if "messages" in body else ""))
             prompt = body["prompt"]
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one prompt
             if isinstance(prompt, str):
                 ids = builder.tok.encode(prompt) if builder.tok is not None else _no_tokenizer()
             elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -234,9 +240,10 @@ class LineWriter:
 
 # ---- input -----------------------------------------------------------------------------------
 
-def open_input(path: str) -> BinaryIO:
+def open_input(path: str) -> BinaryIO | None:
+    """The input file opened for binary reading; None for stdin (read by file descriptor)."""
     if path == "-":
-        return sys.stdin.buffer
+        return None
     p = Path(path)
     if not p.exists():
         raise UsageError(f"input file {path!r} does not exist")
@@ -257,10 +264,30 @@ def open_output(path: str) -> tuple[TextIO, str]:
         raise TinyLLMError(f"cannot open output file {path!r} for writing: {e.strerror}")
 
 
+def _stdin_lines():
+    """Raw stdin lines read straight from the file descriptor: a reader thread still blocked in
+    ``read`` at exit then holds no lock of ``sys.stdin``'s buffer (which would abort shutdown)."""
+    try:
+        fd = sys.stdin.fileno()
+    except (AttributeError, OSError, ValueError):  # stdin replaced by a non-file object
+        for x in getattr(sys.stdin, "buffer", sys.stdin):
+            yield x.encode("utf-8") if isinstance(x, str) else x
+        return
+    buf = b""
+    while chunk := os.read(fd, 1 << 16):
+        buf += chunk
+        if b"\n" in chunk:
+            *lines, buf = buf.split(b"\n")
+            for x in lines:
+                yield x + b"\n"
+    if buf:
+        yield buf
+
+
 class LineReader:
     """Reads raw lines on a daemon thread into a bounded queue; ``_EOF`` (or an OSError) ends it."""
 
-    def __init__(self, src: BinaryIO):
+    def __init__(self, src: BinaryIO | None):
         self.src = src
         self.q: queue.Queue = queue.Queue(maxsize=QUEUE_LINES)
         self._stop = threading.Event()
@@ -281,7 +308,7 @@ class LineReader:
 
     def _run(self) -> None:
         try:
-            for lineno, raw in enumerate(self.src, 1):
+            for lineno, raw in enumerate(_stdin_lines() if self.src is None else self.src, 1):
                 if not self._put((lineno, raw)):
                     return
         except (OSError, ValueError) as e:  # ValueError: the file was closed under us
@@ -291,7 +318,7 @@ class LineReader:
 
     def stop(self) -> None:
         self._stop.set()
-        if self.src is not sys.stdin.buffer:
+        if self.src is not None:
             self.thread.join(timeout=1.0)
             self.src.close()
 
@@ -311,7 +338,7 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
     try:
         fh, name = open_output(output)
     except TinyLLMError:
-        if src is not sys.stdin.buffer:
+        if src is not None:
             src.close()
         raise
     writer = LineWriter(fh, name)
@@ -331,7 +358,7 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
     finally:
         if reader is not None:
             reader.stop()
-        elif src is not sys.stdin.buffer:
+        elif src is not None:
             src.close()
         if fh is not sys.stdout:
             fh.close()
