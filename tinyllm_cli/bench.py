@@ -38,10 +38,14 @@ class BenchSpec:
     seed: int
     warmup: bool
     chat: bool
+    prefix_len: int = 0
+    num_prefixes: int = 1
+    prefix_modes: tuple[bool, ...] = (True,)
 
     @classmethod
     def parse(cls, block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts, seed,
-              warmup, chat, cfg: Config) -> "BenchSpec":
+              warmup, chat, cfg: Config, prefix_len: int = 0, num_prefixes: int = 1,
+              prefix_cache: str = "on") -> "BenchSpec":
         sizes = _int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
         kinds = [c.strip() for c in caches.split(",") if c.strip()]
         bad = [k for k in kinds if k not in ("paged", "slot")]
@@ -54,15 +58,22 @@ class BenchSpec:
             raise UsageError(f"--range-ratio must be in [0, 1), not {range_ratio}")
         if prompts:
             check_prompt_file(prompts)
-        return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat)
+        if prefix_len < 0 or num_prefixes < 1:
+            raise UsageError("--prefix-len must be >= 0 and --num-prefixes >= 1")
+        modes = {"on": True, "off": False}
+        picked = [m.strip() for m in prefix_cache.split(",") if m.strip()]
+        if not picked or any(m not in modes for m in picked):
+            raise UsageError(f"--prefix-cache takes on, off or on,off, not {prefix_cache!r}")
+        return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat,
+                   prefix_len, num_prefixes, tuple(modes[m] for m in picked))
 
-    def combos(self) -> list[tuple[str, int]]:
+    def combos(self) -> list[tuple[str, int, bool]]:
         out = []
         for kind in self.caches:
             if kind == "slot":
-                out.append(("slot", 0))  # one row: the slot cache has no block size
+                out.append(("slot", 0, False))  # one row: no block size, no prefix sharing
             else:
-                out += [("paged", b) for b in self.block_sizes]
+                out += [("paged", b, pc) for b in self.block_sizes for pc in self.prefix_modes]
         return out
 
 
@@ -90,7 +101,13 @@ def random_prompts(model_cfg, num: int, input_len: int, range_ratio: float, seed
 
 
 def random_workload(spec: BenchSpec, rt: Runtime) -> list[list[int]]:
-    return random_prompts(rt.model.cfg, spec.num_prompts, spec.input_len, spec.range_ratio, spec.seed)
+    """Random prompts; with ``prefix_len`` each starts with one of ``num_prefixes`` shared
+    random prefixes (round robin), as in vLLM's prefix-repetition benchmark."""
+    suffixes = random_prompts(rt.model.cfg, spec.num_prompts, spec.input_len, spec.range_ratio, spec.seed)
+    if not spec.prefix_len:
+        return suffixes
+    prefixes = random_prompts(rt.model.cfg, spec.num_prefixes, spec.prefix_len, 0.0, spec.seed + 1)
+    return [prefixes[i % spec.num_prefixes] + s for i, s in enumerate(suffixes)]
 
 
 def file_workload(spec: BenchSpec, rt: Runtime, cfg: Config) -> list[list[int]]:
@@ -116,9 +133,9 @@ def requests_for(workload: list[list[int]], output_len: int) -> list[Request]:
 
 
 def run_one(cfg: Config, rt: Runtime, kind: str, block_size: int, budget: int,
-            workload: list[list[int]], output_len: int) -> dict:
+            workload: list[list[int]], output_len: int, prefix_caching: bool = False) -> dict:
     c = dataclasses.replace(cfg.cache, kind=kind, block_size=block_size or cfg.cache.block_size,
-                            num_blocks=None, kv_memory=str(budget))
+                            num_blocks=None, kv_memory=str(budget), prefix_caching=prefix_caching)
     engine = make_engine(dataclasses.replace(cfg, cache=c), rt)
     outs = list(engine.run(requests_for(workload, output_len)))
     failed = [o for o in outs if o.finish_reason == "error"]
@@ -135,8 +152,8 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
     if spec.warmup:  # first-call costs (allocator, kernels) must not land on the first row
         run_one(cfg, rt, "paged", spec.block_sizes[0], budget, workload[:2], 4)
     rows = []
-    for kind, bs in tqdm(spec.combos(), desc="bench", unit="run", file=sys.stderr, disable=quiet):
-        row = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len)
+    for kind, bs, pc in tqdm(spec.combos(), desc="bench", unit="run", file=sys.stderr, disable=quiet):
+        row = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc)
         row |= {"model": rt.model_name, "dtype": str(rt.dtype).removeprefix("torch."),
                 "device": str(rt.device), "num_prompts": len(workload), "output_len": spec.output_len,
                 "mean_input_len": round(sum(map(len, workload)) / len(workload), 1)}

@@ -127,20 +127,22 @@ def bench(
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
     bench_seed: Annotated[int, typer.Option("--workload-seed", help="Seed of the random workload.")] = 0,
     warmup: Annotated[bool, typer.Option(help="One short untimed run first.")] = True,
+    prefix_len: Annotated[int, typer.Option(help="Shared-prefix workload: tokens of shared prefix per prompt.")] = 0,
+    num_prefixes: Annotated[int, typer.Option(help="Shared-prefix workload: distinct prefixes (round robin).")] = 1,
+    prefix_modes: Annotated[str, typer.Option("--prefix-cache", help="Paged runs with prefix caching: on, off or on,off.")] = "on",
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
     max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
-    quiet: QuietOpt = False, debug: DebugOpt = False, prefix_cache: PrefixOpt = None,
+    quiet: QuietOpt = False, debug: DebugOpt = False,
 ):
     """Run one seeded workload per cache kind x block size at equal KV memory; one row each."""
     from .bench import BenchSpec, run_bench
     from .config import load_config
     cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, num_blocks=num_blocks,
                                          kv_memory=kv_memory, max_num_seqs=max_num_seqs,
-                                         max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
-                                         prefix_cache=prefix_cache))
+                                         max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens))
     spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
-                           bench_seed, warmup, chat, cfg)
+                           bench_seed, warmup, chat, cfg, prefix_len, num_prefixes, prefix_modes)
     raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet))
 
 

@@ -42,6 +42,10 @@ def run_table(s: dict, title: str = "run") -> Table:
         ("block utilization mean / peak", f"{s['mean_block_utilization']:.1%} / {s['peak_block_utilization']:.1%}"),
         ("wasted slots mean / peak", f"{s['mean_wasted_slots']:.0f} / {s['peak_wasted_slots']}"),
         ("preemptions (recomputed tok)", f"{s['preemptions']} ({s['recomputed_tokens']})"),
+        ("prefix cache", (f"{s['prefix_cache_hits']} of {s['prefix_cache_queries']} prompt tok hit "
+                          f"({s['prefix_cache_hit_rate']:.1%}), peak {s['peak_shared_refs']} shared refs")
+         if s.get("prefix_caching") else "off"),
+        ("prefill tokens computed / skipped", f"{s['prefill_tokens']} / {s['prefill_tokens_skipped']}"),
         ("engine overhead", f"{s['engine_overhead_frac']:.1%} of wall time"),
     ]
     for name, v in rows:
@@ -53,7 +57,10 @@ def run_table(s: dict, title: str = "run") -> Table:
 
 
 BENCH_COLUMNS = [
-    ("cache", "cache_kind", str), ("block", "block_size", str), ("out tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("cache", "cache_kind", str), ("block", "block_size", str),
+    ("prefix cache", "prefix_caching", lambda v: "on" if v else "off"),
+    ("prefill computed", "prefill_tokens", str), ("hit rate", "prefix_cache_hit_rate", "{:.0%}"),
+    ("elapsed s", "elapsed_s", "{:.2f}"), ("out tok/s", "output_tokens_per_s", "{:.1f}"),
     ("total tok/s", "total_tokens_per_s", "{:.1f}"), ("peak seqs", "peak_running", str),
     ("util mean", "mean_block_utilization", "{:.1%}"), ("util peak", "peak_block_utilization", "{:.1%}"),
     ("wasted", "mean_wasted_slots", "{:.0f}"), ("preempt", "preemptions", str),
