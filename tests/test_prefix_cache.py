@@ -108,8 +108,8 @@ CFG = ModelConfig(vocab_size=50, hidden_size=8, num_layers=1, num_heads=2, num_k
        finish=st.lists(st.booleans(), max_size=150))
 def test_refcounts_and_no_shared_writes(block_size, extra, prompts, max_num_seqs, budget, finish):
     """Random prompts built from 4 shared stems: refcounts match the tables after every step,
-    a block returns to the free space exactly when its last user leaves, and no step ever
-    writes a slot of a block that another sequence also holds."""
+    a block returns to the free space exactly when its last user leaves, shared data is never
+    changed, and every sequence's table always shows exactly its own tokens."""
     stems = [[(7 * k + j) % 50 for j in range(16)] for k in range(4)]
     reqs = [stems[k][:p] + [1] * 0 + list(range(1, 1 + tail)) for k, p, tail in prompts]
     longest = max(len(r) + 6 for r in reqs)
@@ -120,19 +120,27 @@ def test_refcounts_and_no_shared_writes(block_size, extra, prompts, max_num_seqs
         r = Request(str(i), toks, SamplingParams(max_new_tokens=6))
         sched.add(Sequence(i, r, 0, list(toks), len(toks)))
     draws, steps = iter(finish), 0
+    content: dict[int, tuple[int, int]] = {}  # slot -> (token, position) last written there
     while sched.has_work():
         steps += 1
         assert steps < 3000
         plan = sched.schedule()
+        writes = [(s, s.num_tokens - 1) for s in plan.decode]
+        writes += [(s, p) for s, a, n in plan.prefill for p in range(a, a + n)]
         attn = cache.plan_step([s.seq_id for s in plan.decode], [(s.seq_id, a, n) for s, a, n in plan.prefill])
-        for slot in attn.slot_mapping.tolist():
-            assert cache.pool.ref[slot // block_size] == 1, "a shared block was written"
+        assert attn.slot_mapping.tolist() == [cache.slots(s.seq_id, p, 1)[0] for s, p in writes]
+        for s, p in writes:
+            assert p >= s.num_cached  # nobody rewrites what it (or a block it shares) already holds
+            content[cache.slots(s.seq_id, p, 1)[0]] = (s.tokens[p], p)
         for s in plan.decode:
             s.num_cached += 1
-            cache.commit(s.seq_id, s.tokens)
         for s, a, n in plan.prefill:
             s.num_cached = a + n
-            cache.commit(s.seq_id, s.tokens)
+        # Every table reads back exactly its own tokens: a write into a block someone else
+        # relies on, or a wrong prefix hit, would show up here.
+        for s in sched.running:
+            for p in range(s.num_cached):
+                assert content[cache.slots(s.seq_id, p, 1)[0]] == (s.tokens[p], p)
         for s in plan.decode + [s for s, a, n in plan.prefill if a + n == s.num_tokens]:
             s.tokens.append(3)
             s.status = Status.DECODE

@@ -183,12 +183,17 @@ class PagedKVCache:
             parent = h
         return hits, hashes
 
-    def commit(self, seq_id: int, tokens: list[int]) -> None:
-        """Register the blocks this sequence filled since the last call (prefix caching)."""
+    def commit(self, seq_id: int, tokens: list[int], upto: int) -> None:
+        """Register the full blocks among positions ``[0, upto)`` (prefix caching).
+
+        Called when a step is *planned*, before its forward: a request admitted later in the
+        same step may then share these blocks. That is safe because each layer writes the whole
+        step's K/V before any sequence reads (``StepAttention.attend``).
+        """
         if not self.prefix_caching:
             return
         hashes, table, bs = self.hashes[seq_id], self.tables[seq_id], self.block_size
-        while len(hashes) < self.lens[seq_id] // bs:
+        while len(hashes) < upto // bs:
             j = len(hashes)
             parent = hashes[-1] if hashes else None
             key = tuple(tokens[j * bs:(j + 1) * bs])

@@ -150,10 +150,8 @@ class LLMEngine:
     def _advance(self, plan: Plan) -> None:
         for s in plan.decode:
             s.num_cached += 1
-            self.cache.commit(s.seq_id, s.tokens)
         for s, start, n in plan.prefill:
             s.num_cached = start + n
-            self.cache.commit(s.seq_id, s.tokens)
 
     def _append(self, s: Sequence, tok: int) -> str | None:
         """Append a sampled token; return a finish reason if the sequence is done."""

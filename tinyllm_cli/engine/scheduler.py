@@ -59,6 +59,8 @@ class Scheduler:
         if not plan.preempted:
             self._admit(plan, budget)
         plan.decode = [s for s in self.running if s.status is Status.DECODE]
+        for s in plan.decode:  # this step stores its last token
+            self.cache.commit(s.seq_id, s.tokens, s.num_tokens)
         return plan
 
     def _reserve(self, plan: Plan) -> None:
@@ -85,6 +87,7 @@ class Scheduler:
             if s.status is Status.PREFILL and budget > 0:
                 n = min(s.num_tokens - s.num_cached, budget)
                 plan.prefill.append((s, s.num_cached, n))
+                self.cache.commit(s.seq_id, s.tokens, s.num_cached + n)
                 budget -= n
         return budget
 
@@ -107,4 +110,6 @@ class Scheduler:
             self.running.append(s)
             n = min(s.num_tokens - cached, budget)
             plan.prefill.append((s, cached, n))
+            # Registered now, so the next admission in this very step can share these blocks.
+            self.cache.commit(s.seq_id, s.tokens, cached + n)
             budget -= n
