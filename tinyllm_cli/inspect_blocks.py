@@ -45,7 +45,14 @@ def snapshot(engine, step: int) -> dict:
                        "last_block_fill": (n - (len(table) - 1) * bs) if table else 0,
                        "slots_allocated": len(table) * bs})
     u = cache.usage()
-    return {"step": step, "blocks_used": u.blocks_used, "blocks_free": u.blocks_free,
+    refs = list(cache.pool.ref)
+    holders: dict[int, list[int]] = {}
+    for sid, table in cache.tables.items():
+        for b in table:
+            holders.setdefault(b, []).append(sid)
+    shared = [{"block": b, "refs": refs[b], "seq_ids": sorted(h)} for b, h in sorted(holders.items()) if len(h) > 1]
+    return {"step": step, "refs": refs, "shared_blocks": shared,
+            "cached_free": list(cache.pool.evictable), "prefix_caching": cache.prefix_caching, "blocks_used": u.blocks_used, "blocks_free": u.blocks_free,
             "tokens_stored": u.tokens_stored, "slots_allocated": u.slots_allocated,
             "utilization": round(u.utilization, 4), "block_size": cache.block_size,
             "num_blocks": cache.num_blocks, "scratch_block": cache.num_blocks,
@@ -108,8 +115,13 @@ def render(report: dict) -> None:
     con.rule(f"block map at step {snap['step']} ({report['at']}): {snap['blocks_used']} used, "
              f"{snap['blocks_free']} free of {snap['num_blocks']} x {snap['block_size']} tokens, "
              f"utilization {snap['utilization']:.1%}")
-    con.print(block_map(snap["owner"] + [-1]))
-    con.print("[dim]one cell per block: owning seq id (mod 61, as 0-9a-zA-Z) · free   S scratch (never allocated)[/dim]")
+    con.print(block_map(snap["owner"] + [-1], snap["refs"] + [0], set(snap["cached_free"])))
+    con.print("[dim]one cell per block: owning seq id (mod 61, as 0-9a-zA-Z) · free   ○ free but holding a "
+              "cached prefix   2-9/+ shared by that many sequences (reverse video)   S scratch[/dim]")
+    if snap["shared_blocks"]:
+        sh = " ".join(f"{x['block']}(x{x['refs']})" for x in snap["shared_blocks"][:30])
+        con.print(f"shared blocks ({len(snap['shared_blocks'])}): {sh}" +
+                  (" ..." if len(snap["shared_blocks"]) > 30 else ""))
     t = Table(title="block tables (logical -> physical)", header_style="bold")
     for col in ("seq", "request", "tokens", "blocks", "last block", "table"):
         t.add_column(col, justify="right" if col != "table" else "left")
@@ -123,6 +135,10 @@ def render(report: dict) -> None:
     free = snap["free_list"]
     con.print(f"free list ({len(free)}, next out first): " + " ".join(map(str, free[:40])) +
               (" ..." if len(free) > 40 else ""))
+    if snap["cached_free"]:
+        cf = snap["cached_free"]
+        con.print(f"cached free blocks ({len(cf)}, evicted oldest first once the free list is empty): " +
+                  " ".join(map(str, cf[:40])) + (" ..." if len(cf) > 40 else ""))
     n = len(steps)
     con.rule(f"timeline over {n} steps")
     con.print(f"utilization  {sparkline([s['utilization'] for s in steps], lo=0.0, hi=1.0)}")

@@ -113,7 +113,8 @@ PALETTE = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "b
 CELL = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRTUVWXYZ"  # no 'S': that is scratch
 
 
-def block_map(owner: list[int | None], width: int = 64) -> Text:
+def block_map(owner: list[int | None], refs: list[int] | None = None, cached: set[int] = frozenset(),
+              width: int = 64) -> Text:
     """One cell per physical block, a character and colour per owning sequence (seq id mod 61),
     '·' free, 'S' the scratch block (last). Readable without colour too (logs, pipes)."""
     text = Text()
@@ -121,7 +122,9 @@ def block_map(owner: list[int | None], width: int = 64) -> Text:
         if i and i % width == 0:
             text.append("\n")
         if o is None:
-            text.append("·", style="dim")
+            text.append("○" if i in cached else "·", style="dim")
+        elif refs and refs[i] > 1:
+            text.append(str(refs[i]) if refs[i] < 10 else "+", style="bold reverse")
         elif o == -1:
             text.append("S", style="bold white on black")
         else:
