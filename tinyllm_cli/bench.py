@@ -41,11 +41,13 @@ class BenchSpec:
     prefix_len: int = 0
     num_prefixes: int = 1
     prefix_modes: tuple[bool, ...] = (True,)
+    baseline: str | None = None
+    roofline: bool = False
 
     @classmethod
     def parse(cls, block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts, seed,
               warmup, chat, cfg: Config, prefix_len: int = 0, num_prefixes: int = 1,
-              prefix_cache: str = "on") -> "BenchSpec":
+              prefix_cache: str = "on", baseline: str | None = None, roofline: bool = False) -> "BenchSpec":
         sizes = _int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
         kinds = [c.strip() for c in caches.split(",") if c.strip()]
         bad = [k for k in kinds if k not in ("paged", "slot")]
@@ -64,8 +66,10 @@ class BenchSpec:
         picked = [m.strip() for m in prefix_cache.split(",") if m.strip()]
         if not picked or any(m not in modes for m in picked):
             raise UsageError(f"--prefix-cache takes on, off or on,off, not {prefix_cache!r}")
+        if baseline not in (None, "hf"):
+            raise UsageError(f"--baseline takes hf (transformers generate), not {baseline!r}")
         return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat,
-                   prefix_len, num_prefixes, tuple(modes[m] for m in picked))
+                   prefix_len, num_prefixes, tuple(modes[m] for m in picked), baseline, roofline)
 
     def combos(self) -> list[tuple[str, int, bool]]:
         out = []
@@ -133,11 +137,14 @@ def requests_for(workload: list[list[int]], output_len: int) -> list[Request]:
 
 
 def run_one(cfg: Config, rt: Runtime, kind: str, block_size: int, budget: int,
-            workload: list[list[int]], output_len: int, prefix_caching: bool = False) -> dict:
+            workload: list[list[int]], output_len: int, prefix_caching: bool = False,
+            tokens_out: list | None = None) -> dict:
     c = dataclasses.replace(cfg.cache, kind=kind, block_size=block_size or cfg.cache.block_size,
                             num_blocks=None, kv_memory=str(budget), prefix_caching=prefix_caching)
     engine = make_engine(dataclasses.replace(cfg, cache=c), rt)
-    outs = list(engine.run(requests_for(workload, output_len)))
+    outs = sorted(engine.run(requests_for(workload, output_len)), key=lambda o: o.index)
+    if tokens_out is not None:
+        tokens_out[:] = [o.token_ids for o in outs]
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
         raise TinyLLMError(f"bench request {failed[0].id} failed on the {kind} cache: {failed[0].error}")
@@ -151,19 +158,70 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
                        rt.model.cfg, rt.dtype)
     if spec.warmup:  # first-call costs (allocator, kernels) must not land on the first row
         run_one(cfg, rt, "paged", spec.block_sizes[0], budget, workload[:2], 4)
-    rows = []
+    rows, first_tokens = [], []
     for kind, bs, pc in tqdm(spec.combos(), desc="bench", unit="run", file=sys.stderr, disable=quiet):
-        row = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc)
+        row = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc,
+                      tokens_out=first_tokens if not rows else None)
         row |= {"model": rt.model_name, "dtype": str(rt.dtype).removeprefix("torch."),
                 "device": str(rt.device), "num_prompts": len(workload), "output_len": spec.output_len,
                 "mean_input_len": round(sum(map(len, workload)) / len(workload), 1)}
         rows.append(row)
+    refs = reference_points(spec, cfg, rt, workload, first_tokens, rows, quiet)
     write_rows(rows, json_out, csv_out)
     if not quiet:
-        title = (f"tinyllm bench · {rt.model_name} · {len(workload)} prompts, "
+        title = (f"tinyllm bench · {rt.model_name} · {str(rt.dtype).removeprefix('torch.')} · {len(workload)} prompts, "
                  f"~{rows[0]['mean_input_len']:.0f} in / {spec.output_len} out · KV {budget / 2**20:.0f} MiB")
-        stderr_console().print(bench_table(rows, title))
+        con = stderr_console()
+        con.print(bench_table(rows, title))
+        if refs:
+            con.print(reference_table(refs, rows))
     return 0
+
+
+def reference_points(spec: BenchSpec, cfg: Config, rt: Runtime, workload, first_tokens, rows, quiet) -> dict:
+    """Run the baseline / roofline after tinyllm's runs and attach ratios to every row."""
+    from .baselines import hf_generate_baseline, measure_roofline
+    refs: dict = {}
+    if spec.roofline:
+        refs["roofline"] = measure_roofline(rt.model.cfg, rt.dtype, rt.device)
+        for r in rows:
+            r["roofline_frac"] = round(r["total_tokens_per_s"] / refs["roofline"]["roofline_tokens_per_s"], 3)
+            r["achieved_gflops"] = round(r["total_tokens_per_s"] * refs["roofline"]["flops_per_token"] / 1e9, 1)
+    if spec.baseline == "hf":
+        if not quiet:
+            print("running the transformers baseline ...", file=sys.stderr)
+        pad = (rt.model.cfg.eos_token_ids or [0])[0]
+        base = hf_generate_baseline(cfg.model, workload, spec.output_len, rt.dtype, rt.device, pad)
+        theirs = base.pop("token_ids")
+        base["greedy_match"] = sum(a == b for a, b in zip(theirs, first_tokens))
+        base["num_prompts"] = len(workload)
+        refs["hf"] = base
+        for r in rows:
+            r["vs_hf"] = round(r["total_tokens_per_s"] / base["total_tokens_per_s"], 3)
+    for r in rows:
+        r["reference"] = refs
+    return refs
+
+
+def reference_table(refs: dict, rows: list[dict]):
+    from rich.table import Table
+    t = Table(title="reference points (same workload, same process)", header_style="bold")
+    t.add_column("reference")
+    t.add_column("value", justify="right")
+    t.add_column("tinyllm rows", justify="left")
+    label = [f"{r['cache_kind']}/{r['block_size']}" for r in rows]
+    if "hf" in refs:
+        h = refs["hf"]
+        t.add_row("transformers generate, padded batch",
+                  f"{h['total_tokens_per_s']:.1f} total tok/s ({h['elapsed_s']:.2f} s)",
+                  "  ".join(f"{l}: {r['vs_hf']:.2f}x" for l, r in zip(label, rows)))
+        t.add_row("greedy outputs identical to tinyllm", f"{h['greedy_match']} / {h['num_prompts']}", "")
+    if "roofline" in refs:
+        f = refs["roofline"]
+        t.add_row(f"GEMM roofline ({f['gemm_rows']} rows, model shapes)",
+                  f"{f['gemm_gflops']:.0f} GFLOP/s = {f['roofline_tokens_per_s']:.0f} tok/s",
+                  "  ".join(f"{l}: {r['roofline_frac']:.0%}" for l, r in zip(label, rows)))
+    return t
 
 
 CSV_SKIP = {"ttft_s", "tpot_s", "latency_s"}

@@ -130,6 +130,8 @@ def bench(
     prefix_len: Annotated[int, typer.Option(help="Shared-prefix workload: tokens of shared prefix per prompt.")] = 0,
     num_prefixes: Annotated[int, typer.Option(help="Shared-prefix workload: distinct prefixes (round robin).")] = 1,
     prefix_modes: Annotated[str, typer.Option("--prefix-cache", help="Paged runs with prefix caching: on, off or on,off.")] = "on",
+    baseline: Annotated[Optional[str], typer.Option(help="Also run 'hf' (transformers generate) on the same workload.")] = None,
+    roofline: Annotated[bool, typer.Option("--roofline", help="Measure GEMM FLOP/s on the model's shapes; report fractions.")] = False,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
     max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
@@ -142,7 +144,7 @@ def bench(
                                          kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens))
     spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
-                           bench_seed, warmup, chat, cfg, prefix_len, num_prefixes, prefix_modes)
+                           bench_seed, warmup, chat, cfg, prefix_len, num_prefixes, prefix_modes, baseline, roofline)
     raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet))
 
 

@@ -50,16 +50,14 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
     """One sequence: q [n, H, D] at positions [start, start+n); k, v [start+n, Hkv, D]."""
     n, h, _ = q.shape
     s, hkv = k.shape[0], k.shape[1]
-    if hkv != h:
-        k = k.repeat_interleave(h // hkv, dim=1)
-        v = v.repeat_interleave(h // hkv, dim=1)
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = hkv != h  # SDPA maps query heads onto K/V heads itself: no repeated copies of K/V
     if start == 0:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
     else:
         qpos = torch.arange(start, start + n, device=q.device)
         mask = torch.arange(s, device=q.device)[None, :] <= qpos[:, None]
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
 

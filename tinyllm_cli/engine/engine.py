@@ -103,16 +103,23 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        clock = self.stats.phases
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         done = [self._output(s, "length", "the sequence outgrew the whole KV pool; it was stopped here")
                 for s in plan.failed]
+        t1 = time.perf_counter()
+        clock["schedule"] += t1 - t0
         if plan.empty:
             self._record(plan, 0.0)
             return done
-        t0 = time.perf_counter()
-        samplers, logits = self._forward(plan)
+        samplers, ids, pos, rows, attn = self._prepare(plan)
+        t2 = time.perf_counter()
+        logits = self.model(ids, pos, attn, rows)
+        t3 = time.perf_counter()
+        # The one host sync of the step: on a GPU, queued forward work finishes inside it.
         tokens = sampler.sample(logits, samplers).tolist() if samplers else []
-        forward_s = time.perf_counter() - t0
+        t4 = time.perf_counter()
         self._advance(plan)
         for observe in self.observers:  # before releases, so a snapshot sees the final tables
             observe(self, plan)
@@ -121,10 +128,16 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(s)
                 done.append(self._output(s, reason))
-        self._record(plan, forward_s)
+        t5 = time.perf_counter()
+        clock["prepare"] += t2 - t1
+        clock["forward"] += t3 - t2
+        clock["sample"] += t4 - t3
+        clock["postprocess"] += t5 - t4
+        self._record(plan, t3 - t2)
         return done
 
-    def _forward(self, plan: Plan):
+    def _prepare(self, plan: Plan):
+        """Pack the step's tokens; returns (samplers, ids, positions, logit rows, attention)."""
         ids, pos, logit_rows, samplers = [], [], [], []
         for s in plan.decode:
             ids.append(s.tokens[-1])
@@ -141,11 +154,9 @@ class LLMEngine:
                 samplers.append(s)
         attn = self.cache.plan_step([s.seq_id for s in plan.decode],
                                     [(s.seq_id, start, n) for s, start, n in plan.prefill])
-        dev = self.model.device
-        as_long = dict(dtype=torch.long, device=dev)
-        logits = self.model(torch.tensor(ids, **as_long), torch.tensor(pos, **as_long), attn,
-                            torch.tensor(logit_rows, **as_long))
-        return samplers, logits
+        as_long = dict(dtype=torch.long, device=self.model.device)
+        return (samplers, torch.tensor(ids, **as_long), torch.tensor(pos, **as_long),
+                torch.tensor(logit_rows, **as_long), attn)
 
     def _advance(self, plan: Plan) -> None:
         for s in plan.decode:

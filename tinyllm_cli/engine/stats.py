@@ -68,6 +68,8 @@ class RunStats:
     latency: list[float] = field(default_factory=list)
     preemption_steps: list[int] = field(default_factory=list)
     forward_s: float = 0.0
+    phases: dict = field(default_factory=lambda: dict.fromkeys(
+        ("schedule", "prepare", "forward", "sample", "postprocess"), 0.0))
 
     def record_request(self, out) -> None:
         self.num_requests += 1
@@ -107,7 +109,11 @@ class RunStats:
             **self._prefix_summary(),
             "decode_tokens": sum(s.decode_tokens for s in self.steps),
             "forward_s": round(self.forward_s, 4),
+            # Everything in the run's wall time that is not the model's forward pass: scheduling,
+            # packing, sampling, stop checks, and the caller's reading and writing.
             "engine_overhead_frac": round(max(0.0, 1 - self.forward_s / el), 4),
+            "phases_s": {k: round(v, 4) for k, v in self.phases.items()} | {
+                "outside_engine": round(max(0.0, el - sum(self.phases.values())), 4)},
             "ttft_s": percentiles(self.ttft), "tpot_s": percentiles(self.tpot),
             "latency_s": percentiles(self.latency),
         }

@@ -101,9 +101,11 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin``, where ``rotate_half(x) = cat(-x2, x1)``: that is
+    a half-roll of x with the first half negated, and the sign is folded into ``sin_signed``
+    once per step, so each layer does one roll and one fused multiply-add."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 class RMSNorm(nn.Module):
@@ -113,7 +115,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32 like the reference, then cast back.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
+        # Reduced precision: normalise in float32 like the reference, then cast back.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -137,12 +141,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.n_heads, self.head_dim)
-        k = k.view(t, self.n_kv, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Q and K heads rotate together in one pass.
+        qk = apply_rope(qk.view(t, self.n_heads + self.n_kv, self.head_dim), cos, sin)
+        q, k = qk.split([self.n_heads, self.n_kv], dim=1)
         v = v.view(t, self.n_kv, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
         o = attn.attend(self.index, q, k, v)
         x = x + self.o_proj(o.reshape(t, self.q_size))
         gate, up = self.gate_up(self.post_norm(x)).split(self.inter, dim=-1)
@@ -170,10 +173,13 @@ class LlamaModel(nn.Module):
         return self.embed.weight.dtype
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos/sin of shape [T, 1, head_dim], computed in float32 then cast (as HF does)."""
+        """cos and signed sin of shape [T, 1, head_dim], computed in float32 then cast (as HF
+        does); the sign (-1 on the first half) is ``rotate_half``'s, see ``apply_rope``."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+        sin = freqs.sin()
+        cos = torch.cat((freqs.cos(),) * 2, dim=-1)
+        sin = torch.cat((-sin, sin), dim=-1)
+        return cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, attn: Attention, logits_index: Tensor | None = None
