@@ -165,7 +165,7 @@ def test_bench_rows(capsys, llama_dir, tmp_path):
     assert all(r["output_tokens"] == 6 * 8 for r in rows)  # identical work in every run
     paged, slot = rows[0], rows[2]
     assert paged["peak_running"] > slot["peak_running"]  # the point of paging, at equal memory
-    assert "out tok/s" in err and len(cs.read_text().splitlines()) == 4
+    assert "tinyllm bench" in err and "paged" in err and len(cs.read_text().splitlines()) == 4
 
 
 def test_inspect_blocks_snapshot(capsys, llama_dir, tmp_path):

@@ -6,15 +6,17 @@ Exit codes: 0 success, 2 usage/config error (nothing ran), 1 runtime error, 130 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from .errors import TinyLLMError, UsageError
+from .errors import Interrupted, TinyLLMError, UsageError, shield
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch generation and KV-cache experiments with small Llama-family models.")
@@ -181,37 +183,74 @@ def inspect_blocks(
 
 # ---- entry point ---------------------------------------------------------------------------
 
-def _on_sigterm(signum, frame):
-    raise SystemExit(143)
+def _on_signal(signum, frame):
+    shield.interrupt(signum)  # raises Interrupted, unless a result line is being written
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the CLI. Every failure ends in exactly one line on stderr (a traceback too only with
+    --debug) and nothing on stdout; SIGINT/SIGTERM unwind as ``Interrupted`` (exit 130/143)."""
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, _on_signal)
     try:
         code = app(args=argv, prog_name="tinyllm", standalone_mode=False)
     except TinyLLMError as e:
         _fail(e, debug, f"error: {e}", e.exit_code)
-    except KeyboardInterrupt as e:
-        _fail(e, debug, "interrupted: finished results are saved; rerun with --resume to finish", 130)
+    except Interrupted as e:
+        _fail(e, debug, e.message or f"interrupted by {e.signal_name}", e.exit_code)
+    except KeyboardInterrupt as e:  # handlers not installed (not the main thread)
+        _fail(e, debug, "interrupted", 130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except SystemExit:
         raise
     except Exception as e:  # click usage errors and anything unexpected
-        import click
-        if isinstance(e, click.exceptions.ClickException):
-            e.show(file=sys.stderr)
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `tinyllm`: the help is the answer
+            e.show()
             sys.exit(2)
-        if isinstance(e, click.exceptions.Abort):
+        if _is_click_error(e):
+            _fail(e, False, f"error: {e.format_message()}{_help_hint(e)}", getattr(e, "exit_code", 2))
+        if type(e).__name__ == "Abort":
             _fail(e, debug, "interrupted", 130)
-        _fail(e, debug, f"error: internal error ({type(e).__name__}: {e}); rerun with --debug for the traceback", 1)
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        _fail(e, debug, f"error: internal error ({type(e).__name__}: {first}); "
+                        f"rerun with --debug for the traceback", 1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _is_click_error(e: BaseException) -> bool:
+    # typer vendors its own copy of click, so match by class name rather than by import.
+    return any(c.__name__ == "ClickException" for c in type(e).__mro__)
+
+
+def _help_hint(e) -> str:
+    ctx = getattr(e, "ctx", None)
+    return f" (see '{ctx.command_path} --help')" if ctx is not None else ""
 
 
 def _fail(e: BaseException, debug: bool, message: str, code: int) -> None:
     if debug:
         traceback.print_exception(e)
-    print(message, file=sys.stderr)
+    print(" ".join(message.split()), file=sys.stderr)  # one line, whatever the message holds
+    _quiet_stdout()
     sys.exit(code)
+
+
+def _quiet_stdout() -> None:
+    """stdout may be a closed pipe (``| head``): flush now, and if that fails point it at
+    /dev/null so the interpreter's own flush at exit prints no second error."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass

@@ -1,4 +1,12 @@
-"""The ``generate`` command: prompts file -> engine -> JSONL in input order -> run table."""
+"""The ``generate`` command: prompts file -> engine -> JSONL in input order -> run table.
+
+Invariants:
+- Prompts are streamed from the file and results are written as they come (see ``io``), so
+  memory does not grow with the number of prompts; the progress bar's total is counted first
+  (one cheap pass over the file), so its ETA is real.
+- However the run ends (done, Ctrl-C, SIGTERM, a write error), every finished result is on disk
+  as whole JSONL lines and the file is closed.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .config import Config
-from .errors import TinyLLMError
-from .io import (OrderedWriter, RequestBuilder, check_prompt_file, count_records, id_key, open_output,
+from .errors import Interrupted, TinyLLMError
+from .io import (OrderedWriter, RequestBuilder, Resume, check_prompt_file, count_records, id_key, open_output,
                  output_line, read_records, record_id)
 from .report import run_table, stderr_console
 from .runtime import load_runtime, make_engine
@@ -25,14 +33,18 @@ def write_stats_file(path: Path | None, stats: dict) -> None:
         raise TinyLLMError(f"cannot write stats to {path}: {e.strerror}")
 
 
-def requests_from_file(path: str, builder: RequestBuilder, skip: set[str]):
-    """Lazily build requests, skipping ids already done (``--resume``)."""
+def requests_from_file(path: str, builder: RequestBuilder, resume: Resume, writer: OrderedWriter):
+    """Lazily build requests. With ``--resume``: the first ``resume.skip`` records are done, and
+    a record whose result was written out of order is handed straight to the writer."""
     index = 0
     for n, (lineno, rec) in enumerate(read_records(path)):
-        rid = record_id(n, rec)
-        if id_key(rid) in skip:
+        if n < resume.skip:
             continue
-        yield builder.build(index, lineno, rec, rid)
+        rid = record_id(n, rec)
+        if resume.tail and (line := resume.take(id_key(rid))) is not None:
+            writer.add(index, line)
+        else:
+            yield builder.build(index, lineno, rec, rid)
         index += 1
 
 
@@ -40,25 +52,37 @@ def run_generate(cfg: Config, prompts: str, output: str | None, resume: bool, st
                  chat: bool, quiet: bool, stats_json: Path | None) -> int:
     check_prompt_file(prompts)
     total = count_records(prompts)
-    fh, name, done = open_output(output, resume)
-    rt = load_runtime(cfg, progress=not quiet)
-    engine = make_engine(cfg, rt)
+    out, plan = open_output(output, resume, prompts)
+    try:
+        rt = load_runtime(cfg, progress=not quiet)
+        engine = make_engine(cfg, rt)
+    except BaseException:
+        out.close()
+        raise
     builder = RequestBuilder(rt.tokenizer, chat, cfg.sampling)
-    writer = OrderedWriter(fh, name)
-    todo = None if total is None else max(0, total - len(done))
+    writer = OrderedWriter(out)
+    todo = None if total is None else max(0, total - plan.skip - plan.num_tail)
     failed = 0
     bar = tqdm(total=todo, unit="req", desc="generate", file=sys.stderr, disable=quiet, dynamic_ncols=True)
     try:
-        for out in engine.run(requests_from_file(prompts, builder, done)):
-            writer.add(out.index, output_line(out))
-            failed += out.finish_reason == "error"
+        for res in engine.run(requests_from_file(prompts, builder, plan, writer)):
+            writer.add(res.index, output_line(res))
+            failed += res.finish_reason == "error"
             bar.update(1)
             st = engine.stats
             bar.set_postfix_str(f"{st.output_tokens / max(st.elapsed(), 1e-9):.1f} tok/s", refresh=False)
+    except Interrupted as e:
+        writer.flush_pending()
+        e.message = (f"interrupted ({e.signal_name}): {writer.written} finished results are in {out.name}; "
+                     f"rerun with --resume to finish the rest" if out.name != "stdout" else
+                     f"interrupted ({e.signal_name}): {writer.written} finished results were written")
+        raise
+    except BaseException:
+        writer.flush_pending()
+        raise
     finally:
         bar.close()
-        if fh is not sys.stdout:
-            fh.close()
+        out.close()
     summary = engine.stats.summary() | {"model": rt.model_name, "load_s": round(rt.load_s, 3),
                                         "dtype": str(rt.dtype).removeprefix("torch."), "device": str(rt.device)}
     write_stats_file(stats_json, summary)

@@ -125,27 +125,45 @@ def load_yaml(path: str | Path) -> tuple[dict, dict]:
         data = yaml.safe_load(text)
     except UnicodeDecodeError:
         raise UsageError(f"config file {str(p)!r} is not UTF-8 text")
+    except RecursionError:
+        raise UsageError(f"config file {str(p)!r} is nested too deeply to be a tinyllm config")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise UsageError(f"config file {str(p)!r} is not valid YAML{where}: {getattr(e, 'problem', e)}")
+        problem = getattr(e, "problem", None)
+        if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow; no mark
+            where = f" at line {text[:e.position].count(chr(10)) + 1}"
+            problem = f"character {e.character!r} is not allowed"
+        problem = " ".join(str(problem or str(e).splitlines()[0]).split())
+        raise UsageError(f"config file {str(p)!r} is not valid YAML{where}: {problem}")
     if data is None:
         return {}, {}
     if not isinstance(data, dict):
         raise UsageError(f"config file {str(p)!r} must be a mapping of sections (model, cache, ...)")
     nodes: dict[str, object] = {}
     for knode, vnode in root.value:
-        nodes[str(knode.value)] = knode
+        _note(nodes, str(knode.value), knode, p)
         if isinstance(vnode, yaml.MappingNode):
             for k2, _ in vnode.value:
-                nodes[f"{knode.value}.{k2.value}"] = k2
+                _note(nodes, f"{knode.value}.{k2.value}", k2, p)
     return data, nodes
+
+
+def _note(nodes: dict, dotted: str, node, p: Path) -> None:
+    """Remember where a key is; a key given twice is an error (YAML would keep the last one)."""
+    if dotted in nodes:
+        raise UsageError(f"config key {dotted!r} is given twice in {str(p)!r} (lines "
+                         f"{nodes[dotted].start_mark.line + 1} and {node.start_mark.line + 1})")
+    nodes[dotted] = node
 
 
 def build_config(data: dict, nodes: dict | None = None, overrides: dict | None = None) -> Config:
     """Validate ``data`` (from YAML) and apply ``overrides`` ({"cache.block_size": 32, ...})."""
     nodes = nodes or {}
+    if not isinstance(data, dict):
+        raise UsageError("a config must be a mapping of sections (model, cache, ...)")
     cfg = Config()
+    origins: dict[str, str] = {}  # dotted key -> where its value came from, for range errors
     top = {f.name for f in dataclasses.fields(Config)}
     for key, value in data.items():
         key = str(key)
@@ -158,18 +176,21 @@ def build_config(data: dict, nodes: dict | None = None, overrides: dict | None =
             if not isinstance(value, dict):
                 raise UsageError(f"config section {key!r}{_line(node)} must be a mapping of keys")
             for k2, v2 in value.items():
-                _set(cfg, f"{key}.{k2}", v2, nodes.get(f"{key}.{k2}"))
+                _set(cfg, f"{key}.{k2}", v2, nodes.get(f"{key}.{k2}"), origins=origins)
         else:
-            _set(cfg, key, value, node)
+            _set(cfg, key, value, node, origins=origins)
     for dotted, value in (overrides or {}).items():
         if value is not None:
-            _set(cfg, dotted, value, None, from_flag=True)
-    validate(cfg)
+            _set(cfg, dotted, value, None, from_flag=True, origins=origins)
+    validate(cfg, origins)
     return cfg
 
 
-def _set(cfg: Config, dotted: str, value, node, from_flag: bool = False) -> None:
-    section, _, key = dotted.rpartition(".")
+def _set(cfg: Config, dotted: str, value, node, from_flag: bool = False, origins: dict | None = None) -> None:
+    dotted = str(dotted)
+    section, dot, key = dotted.partition(".")  # "cache.block_size"; a key may itself hold dots
+    if not dot or section not in SECTIONS:
+        section, key = "", dotted
     target = getattr(cfg, section) if section else cfg
     hints = _hints(type(target))
     where = " (command-line flag)" if from_flag else _line(node)
@@ -186,9 +207,13 @@ def _set(cfg: Config, dotted: str, value, node, from_flag: bool = False) -> None
     if hint is str and isinstance(value, int):
         value = str(value)
     setattr(target, key, value)
+    if origins is not None:
+        origins[dotted] = where
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
+    """Range checks; ``origins`` (dotted key -> " (line N)" or " (command-line flag)") places them."""
+    at = (origins or {}).get
     c, s = cfg.cache, cfg.scheduler
     positive = [("cache.block_size", c.block_size), ("cache.max_model_len", c.max_model_len),
                 ("scheduler.max_num_seqs", s.max_num_seqs),
@@ -197,26 +222,31 @@ def validate(cfg: Config) -> None:
         positive.append(("cache.num_blocks", c.num_blocks))
     for name, v in positive:
         if v <= 0:
-            raise UsageError(f"config key {name!r} must be a positive integer, not {v}")
+            raise UsageError(f"config key {name!r}{at(name, '')} must be a positive integer, not {v}")
     if c.kind not in ("paged", "slot"):
-        raise UsageError(f"cache.kind must be 'paged' or 'slot', not {c.kind!r}")
+        raise UsageError(f"cache.kind{at('cache.kind', '')} must be 'paged' or 'slot', not {c.kind!r}")
     if c.kind == "paged" and c.num_blocks is not None and c.num_blocks < s.max_num_seqs:
-        raise UsageError(f"cache.num_blocks ({c.num_blocks}) is smaller than scheduler.max_num_seqs "
-                         f"({s.max_num_seqs}): every running sequence needs at least one block; "
-                         f"raise num_blocks or lower max_num_seqs")
+        raise UsageError(f"cache.num_blocks{at('cache.num_blocks', '')} is {c.num_blocks}, fewer than "
+                         f"scheduler.max_num_seqs{at('scheduler.max_num_seqs', '')} = {s.max_num_seqs}: every "
+                         f"running sequence needs at least one block; raise num_blocks or lower max_num_seqs")
     if cfg.dtype not in DTYPES:
-        raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, not {cfg.dtype!r}")
+        raise UsageError(f"dtype{at('dtype', '')} must be one of {', '.join(DTYPES)}, not {cfg.dtype!r}")
     if not (cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")):
-        raise UsageError(f"device must be auto, cpu, cuda or cuda:N, not {cfg.device!r}")
+        raise UsageError(f"device{at('device', '')} must be auto, cpu, cuda or cuda:N, not {cfg.device!r}")
     from .cache.kv import CacheError, parse_bytes
     try:
         parse_bytes(c.kv_memory)
     except CacheError as e:
-        raise UsageError(f"cache.kv_memory: {e}")
+        raise UsageError(f"cache.kv_memory{at('cache.kv_memory', '')}: {e}")
+    except (ValueError, OverflowError):  # nan / inf get past parse_bytes' own check
+        raise UsageError(f"cache.kv_memory{at('cache.kv_memory', '')}: cannot read {c.kv_memory!r} as a "
+                         f"memory size (examples: 512MiB, 2GiB, 1000000)")
     try:
         cfg.sampling.params()
     except ValueError as e:
-        raise UsageError(f"sampling: {e}")
+        name = next((f.name for f in dataclasses.fields(SamplingConfig) if str(e).startswith(f.name)), None)
+        dotted = f"sampling.{name}" if name else "sampling"
+        raise UsageError(f"config key {dotted!r}{at(dotted, '')}: {e}")
 
 
 def load_config(path: str | Path | None, overrides: dict | None = None) -> Config:

@@ -6,22 +6,37 @@ Invariants:
 - A bad line never stops the run: it becomes a request that carries its error and is answered
   with ``finish_reason: "error"``.
 - Each result is one complete line written with a single ``write`` and flushed, so an
-  interrupted run leaves valid JSONL; ``--resume`` first cuts a torn last line, if any.
+  interrupted run leaves valid JSONL; a write that fails half way (disk full) is cut back to the
+  last whole line, and ``--resume`` first cuts a torn last line, if any.
+- Results go out in input order. On an interrupt, results that finished ahead of an earlier,
+  unfinished one are written too (after the in-order part), so every finished result is on
+  disk; ``--resume`` puts them back in their place, so the final file equals an uninterrupted
+  run's. Resuming reads the results file and the prompts side by side: memory stays flat.
 """
 
 from __future__ import annotations
 
 import codecs
+import io
 import json
+import os
+import stat
 import sys
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from .config import SamplingConfig
 from .engine.request import Request, SamplingParams
-from .errors import TinyLLMError, UsageError
+from .errors import TinyLLMError, UsageError, shield
 from .model.tokenizer import Tokenizer
+
+try:
+    from jinja2 import TemplateError  # a chat template's raise_exception(...)
+except ImportError:  # pragma: no cover
+    TemplateError = ValueError
 
 REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "metadata"}
 SAMPLING_KEYS = SamplingParams.field_names()
@@ -49,11 +64,24 @@ def check_prompt_file(path: str) -> None:
         raise UsageError(f"cannot read prompts file {path!r}: {e.strerror}")
 
 
-def _lines(path: str) -> Iterator[str]:
+def _lines(path: str) -> Iterator[str | None]:
+    """Text lines (a leading BOM dropped); None for a stdin line that is not UTF-8 (files are
+    checked up front by ``check_prompt_file``)."""
     if path == "-":
-        yield from sys.stdin
+        raw = getattr(sys.stdin, "buffer", None)
+        if raw is None:  # stdin replaced by a text object (tests)
+            for n, line in enumerate(sys.stdin):
+                yield line.removeprefix("\ufeff") if n == 0 else line
+            return
+        for n, b in enumerate(raw):
+            try:
+                line = b.decode("utf-8")
+            except UnicodeDecodeError:
+                yield None
+                continue
+            yield line.removeprefix("\ufeff") if n == 0 else line
         return
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         yield from f
 
 
@@ -63,6 +91,9 @@ def read_records(path: str) -> Iterator[tuple[int, object]]:
     suffix = Path(path).suffix.lower() if path != "-" else ""
     mode = "jsonl" if suffix in (".jsonl", ".json", ".ndjson") else ("txt" if suffix else None)
     for lineno, line in enumerate(_lines(path), 1):
+        if line is None:
+            yield lineno, {"__error__": f"line {lineno} is not UTF-8 text"}
+            continue
         line = line.rstrip("\r\n")
         if not line.strip():
             continue
@@ -99,7 +130,7 @@ class RequestBuilder:
             if isinstance(rec, dict):
                 req.metadata = rec.get("metadata")
             return req
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, TemplateError) as e:
             prompt = rec.get("prompt") if isinstance(rec, dict) else rec
             return Request(rid, [], SamplingParams(), prompt if isinstance(prompt, str) else None, index,
                            error=f"line {lineno}: {e}" if not str(e).startswith("line ") else str(e))
@@ -139,6 +170,7 @@ class RequestBuilder:
         return SamplingParams(**(base | over))
 
     def encode_prompt(self, text: str) -> list[int]:
+        _check_text(text, "'prompt'")
         if self.tok is None:
             raise ValueError("this model has no tokenizer, so prompts must be given as prompt_token_ids")
         if self.chat and self.tok.chat_template:
@@ -152,7 +184,18 @@ class RequestBuilder:
             raise ValueError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
         if self.tok is None or not self.tok.chat_template:
             raise ValueError("this model has no chat template, so 'messages' cannot be used")
+        for m in messages:
+            _check_text(m["role"], "a message's 'role'")
+            _check_text(m["content"], "a message's 'content'")
         return self.tok.encode_chat(messages)
+
+
+def _check_text(text: str, what: str) -> None:
+    """JSON may spell lone surrogates (``"\\ud800"``), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} holds an invalid Unicode escape (a lone surrogate)") from None
 
 
 def output_line(out) -> str:
@@ -163,69 +206,196 @@ def count_records(path: str) -> int | None:
     """Non-blank lines, for a progress bar with a real ETA (None for stdin)."""
     if path == "-":
         return None
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         return sum(1 for line in f if line.strip())
+
+
+class ResultFile:
+    """A results stream that only ever holds whole lines.
+
+    A regular file is written unbuffered in binary: one line is one ``write`` (looped if the OS
+    takes part of it), and when a write fails (disk full) or is interrupted half way, the file is
+    cut back to the end of the last whole line. stdout is written as text and flushed per line.
+    """
+
+    def __init__(self, fh: TextIO | BinaryIO, name: str):
+        self.fh, self.name = fh, name
+        self.binary = not isinstance(fh, io.TextIOBase)
+        self.written = 0
+        self.failed = False
+        self.end: int | None = None  # byte offset after the last whole line (regular files)
+        if self.binary:
+            try:
+                if stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                    self.end = fh.seek(0, os.SEEK_END)
+            except (OSError, ValueError):
+                self.end = None
+
+    def write(self, line: str) -> None:
+        try:
+            data = line.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate echoed from the input: escape it
+            line = json.dumps(json.loads(line)) + "\n"
+            data = line.encode("utf-8")
+        with shield:  # SIGINT/SIGTERM wait until the line is out and counted
+            try:
+                if self.binary:
+                    view = memoryview(data)
+                    while view:
+                        view = view[self.fh.write(view):]
+                else:
+                    self.fh.write(line)
+                    self.fh.flush()
+            except OSError as e:
+                self.failed = True
+                self._cut()
+                raise TinyLLMError(f"cannot write results to {self.name}: {e.strerror or e}; the "
+                                   f"{self.written} result line{'' if self.written == 1 else 's'} written "
+                                   f"before it {'is' if self.written == 1 else 'are'} intact") from e
+            except BaseException:  # a bare KeyboardInterrupt (no signal handlers installed)
+                self._cut()
+                raise
+            if self.end is not None:
+                self.end += len(data)
+            self.written += 1
+
+    def _cut(self) -> None:
+        if self.end is not None:
+            try:
+                os.ftruncate(self.fh.fileno(), self.end)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Close a file (never stdout); a failure here cannot lose a line (nothing is buffered)."""
+        if self.fh in (sys.stdout, sys.__stdout__):
+            return
+        try:
+            self.fh.close()
+        except OSError:
+            pass
 
 
 class OrderedWriter:
     """Writes results in input order as soon as every earlier one is done."""
 
-    def __init__(self, fh: TextIO, name: str, first_index: int = 0):
-        self.fh, self.name = fh, name
+    def __init__(self, out: ResultFile, first_index: int = 0):
+        self.out = out
         self.next = first_index
         self.pending: dict[int, str] = {}
-        self.written = 0
+
+    @property
+    def written(self) -> int:
+        return self.out.written
 
     def add(self, index: int, line: str) -> None:
         self.pending[index] = line
         while self.next in self.pending:
-            self._write(self.pending.pop(self.next))
+            self.out.write(self.pending.pop(self.next))
             self.next += 1
 
-    def _write(self, line: str) -> None:
-        try:
-            self.fh.write(line)
-            self.fh.flush()
-        except OSError as e:
-            raise TinyLLMError(f"cannot write results to {self.name}: {e.strerror or e}; "
-                               f"the {self.written} results before this one are intact")
-        self.written += 1
+    def flush_pending(self) -> None:
+        """On an interrupt: write the results that finished ahead of an unfinished earlier one
+        (``--resume`` moves them back into input order). Best effort: a write error stops it."""
+        if self.out.failed:
+            return
+        for index in sorted(self.pending):
+            try:
+                self.out.write(self.pending.pop(index))
+            except TinyLLMError:
+                return
 
 
-def open_output(path: str | None, resume: bool) -> tuple[TextIO, str, set[str]]:
-    """Open the results file; with ``resume``, repair a torn tail and return the ids done."""
+@dataclass
+class Resume:
+    """What ``--resume`` found in the results file."""
+
+    skip: int = 0  # leading input records already answered, in input order
+    tail: dict[str, deque] = field(default_factory=dict)  # id -> result lines written out of order
+
+    @property
+    def num_tail(self) -> int:
+        return sum(len(v) for v in self.tail.values())
+
+    def take(self, key: str) -> str | None:
+        lines = self.tail.get(key)
+        if not lines:
+            return None
+        line = lines.popleft()
+        if not lines:
+            del self.tail[key]
+        return line
+
+
+def open_output(path: str | None, resume: bool, prompts: str | None = None) -> tuple[ResultFile, Resume]:
+    """Open the results file; with ``resume``, repair a torn tail and find what is done."""
     if path in (None, "-"):
-        return sys.stdout, "stdout", set()
+        return ResultFile(sys.stdout, "stdout"), Resume()
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"output path {path!r} is a directory")
-    done: set[str] = set()
-    if resume and p.exists():
-        done = _repair_and_collect(p)
+    if resume and prompts == "-":
+        raise UsageError("--resume needs --prompts FILE: it reads the prompts again to match them with "
+                         "the results, and stdin cannot be read twice")
+    plan = Resume()
+    if resume and p.is_file():
+        if prompts is None:
+            raise UsageError("--resume needs the prompts file the results came from")
+        plan = _plan_resume(p, prompts)
     try:
-        fh = p.open("a" if resume else "w", encoding="utf-8")
+        fh = open(p, "ab" if resume else "wb", buffering=0)
     except OSError as e:
         raise TinyLLMError(f"cannot open output file {path!r} for writing: {e.strerror}")
-    return fh, path, done
+    return ResultFile(fh, path), plan
 
 
-def _repair_and_collect(p: Path) -> set[str]:
-    done, good_end = set(), 0
+def _plan_resume(p: Path, prompts: str) -> Resume:
+    """Walk the results and the prompts side by side: the leading results that match the
+    prompts one for one are done in place; the ones after them (an interrupt's out-of-order
+    results) are held to be put back in their place. Then cut the file after the in-order part."""
+    keys = (id_key(record_id(n, rec)) for n, (_, rec) in enumerate(read_records(prompts)))
+    plan, in_order, prefix_end, pos, lineno = Resume(), True, 0, 0, 0
+    size = p.stat().st_size
     with p.open("rb") as f:
         for raw in f:
-            if not raw.endswith(b"\n"):
-                break
+            lineno += 1
+            pos += len(raw)
             try:
-                obj = json.loads(raw)
+                obj = json.loads(raw) if raw.endswith(b"\n") else None
             except (json.JSONDecodeError, UnicodeDecodeError):
-                break
-            if isinstance(obj, dict) and "id" in obj:
-                done.add(id_key(obj["id"]))
-            good_end += len(raw)
-    if good_end < p.stat().st_size:
+                obj = None
+            if obj is None:
+                if pos < size:  # not the last line: this is not a torn write but a foreign file
+                    raise UsageError(f"cannot resume: line {lineno} of {str(p)!r} is not valid JSON "
+                                     f"(only a torn last line is repaired)")
+                break  # a torn last line: cut
+            if not isinstance(obj, dict) or "id" not in obj:
+                raise UsageError(f"cannot resume: line {lineno} of {str(p)!r} is not a tinyllm result "
+                                 f"(it has no 'id')")
+            key = id_key(obj["id"])
+            if in_order:
+                if next(keys, None) == key:
+                    plan.skip += 1
+                    prefix_end = pos
+                    continue
+                in_order = False
+            plan.tail.setdefault(key, deque()).append(raw.decode("utf-8"))
+    if plan.tail:
+        # The record that broke the match is consumed already: look for tail ids from the start
+        # of the remainder again (a fresh pass over the prompts, ids only).
+        missing = set(plan.tail)
+        for n, (_, rec) in enumerate(read_records(prompts)):
+            if n >= plan.skip:
+                missing.discard(id_key(record_id(n, rec)))
+                if not missing:
+                    break
+        if missing:
+            raise UsageError(f"cannot resume: {str(p)!r} has results for ids that are not in {prompts!r} "
+                             f"(e.g. {sorted(missing)[0]}); was it written for another prompts file?")
+    if prefix_end < size:
         with p.open("r+b") as f:
-            f.truncate(good_end)
-    return done
+            f.truncate(prefix_end)
+    return plan
 
 
 def id_key(rid) -> str:

@@ -14,7 +14,7 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 def stderr_console() -> Console:
     # Logs and pipes get a wide fixed width: rich's 80-column fallback would squash the tables.
-    width = None if sys.stderr.isatty() else 160
+    width = None if sys.stderr.isatty() else 200
     return Console(stderr=True, highlight=False, width=width)
 
 
@@ -58,8 +58,8 @@ def run_table(s: dict, title: str = "run") -> Table:
 
 BENCH_COLUMNS = [
     ("cache", "cache_kind", str), ("block", "block_size", str),
-    ("prefix cache", "prefix_caching", lambda v: "on" if v else "off"),
-    ("prefill computed", "prefill_tokens", str), ("hit rate", "prefix_cache_hit_rate", "{:.0%}"),
+    ("prefix", "prefix_caching", lambda v: "on" if v else "off"),
+    ("prefill tok", "prefill_tokens", str), ("hit rate", "prefix_cache_hit_rate", "{:.0%}"),
     ("elapsed s", "elapsed_s", "{:.2f}"), ("out tok/s", "output_tokens_per_s", "{:.1f}"),
     ("total tok/s", "total_tokens_per_s", "{:.1f}"), ("peak seqs", "peak_running", str),
     ("util mean", "mean_block_utilization", "{:.1%}"), ("util peak", "peak_block_utilization", "{:.1%}"),

