@@ -51,7 +51,7 @@ def parse_bytes(text: str | int) -> int:
         value = float(num)
     except ValueError:
         value = -1
-    if unit not in units or value <= 0:
+    if unit not in units or not math.isfinite(value) or value <= 0:
         raise CacheError(f"cannot read {text!r} as a memory size (examples: 512MiB, 2GiB, 1000000)")
     return int(value * units[unit])
 

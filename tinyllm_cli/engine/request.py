@@ -44,7 +44,7 @@ class SamplingParams:
             (_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed must be an integer"),
             (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-            (isinstance(self.stop_token_ids, list) and all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be a list of integers"),
+            (isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids), "stop_token_ids must be a list of integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos must be true or false"),
         ]
         for ok, msg in checks:
@@ -53,7 +53,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below 1e-5 dividing the logits overflows to inf/NaN; such a temperature *is* greedy.
+        return self.temperature < 1e-5
 
     @classmethod
     def field_names(cls) -> set[str]:
