@@ -111,7 +111,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         clock["schedule"] += t1 - t0
         if plan.empty:
-            self._record(plan, 0.0)
+            self._record(plan, 0.0, self.cache.usage(), len(self.scheduler.running))
             return done
         samplers, ids, pos, rows, attn = self._prepare(plan)
         t2 = time.perf_counter()
@@ -121,6 +121,8 @@ class LLMEngine:
         tokens = sampler.sample(logits, samplers).tolist() if samplers else []
         t4 = time.perf_counter()
         self._advance(plan)
+        # Memory as this step's forward used it, before finished sequences give theirs back.
+        usage, running = self.cache.usage(), len(self.scheduler.running)
         for observe in self.observers:  # before releases, so a snapshot sees the final tables
             observe(self, plan)
         for s, tok in zip(samplers, tokens):
@@ -133,7 +135,7 @@ class LLMEngine:
         clock["forward"] += t3 - t2
         clock["sample"] += t4 - t3
         clock["postprocess"] += t5 - t4
-        self._record(plan, t3 - t2)
+        self._record(plan, t3 - t2, usage, running)
         return done
 
     def _prepare(self, plan: Plan):
@@ -222,8 +224,7 @@ class LLMEngine:
         self.stats.record_request(out)
         return out
 
-    def _record(self, plan: Plan, forward_s: float) -> None:
-        u = self.cache.usage()
+    def _record(self, plan: Plan, forward_s: float, u, running: int) -> None:
         n_pre = len(plan.preempted)
         self.stats.preemptions += n_pre
         self.stats.recomputed_tokens += plan.recomputed
@@ -231,7 +232,7 @@ class LLMEngine:
             self.stats.preemption_steps.append(self._step)
         self.stats.forward_s += forward_s
         self.stats.steps.append(StepRecord(
-            self._step, round(time.perf_counter() - self.stats.start, 6), len(self.scheduler.running),
+            self._step, round(time.perf_counter() - self.stats.start, 6), running,
             len(self.scheduler.waiting), u.blocks_used, u.blocks_free, u.tokens_stored, u.slots_allocated,
             sum(n for _, _, n in plan.prefill), len(plan.decode), n_pre, round(forward_s, 6),
             u.shared_refs, u.blocks_cached_free))
