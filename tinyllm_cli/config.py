@@ -39,16 +39,9 @@ class SchedulerConfig:
 
 
 @dataclass
-class SamplingConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+class SamplingConfig(SamplingParams):
+    """The ``sampling`` section: the defaults every request starts from (the same fields as a
+    request's own sampling parameters, which override them per request)."""
 
     def params(self, **override) -> SamplingParams:
         values = dataclasses.asdict(self) | override
