@@ -31,7 +31,7 @@ from tinyllm_cli.cache.kv import PagedKVCache
 from tinyllm_cli.cli import main
 from tinyllm_cli.config import Config, SamplingConfig, build_config, load_config
 from tinyllm_cli.engine.engine import LLMEngine
-from tinyllm_cli.engine.request import Request, SamplingParams
+from tinyllm_cli.engine.request import Request
 from tinyllm_cli.errors import UsageError
 from tinyllm_cli.io import ALIASES, REQUEST_KEYS, SAMPLING_KEYS, RequestBuilder, check_prompt_file, read_records, record_id
 from tinyllm_cli.model.checkpoint import default_model_path

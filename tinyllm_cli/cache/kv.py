@@ -138,9 +138,6 @@ class PagedKVCache:
 
     # ---- check / act pairs for the scheduler -------------------------------------------
 
-    def can_admit(self, n_tokens: int) -> bool:
-        return self.pool.can_allocate(self.blocks_for(n_tokens))
-
     def try_admit(self, seq_id: int, tokens: list[int]) -> int | None:
         """Admit a sequence if its tokens plus one fit; returns how many leading tokens already
         have K/V (prefix-cache hits, whole blocks), or None when it does not fit now.
@@ -289,9 +286,6 @@ class PagedKVCache:
         return CacheUsage(used, self.pool.num_free, stored, used * self.block_size,
                           len(self.pool.evictable), self.pool.shared_extra)
 
-    def capacity_sequences(self) -> str:
-        return f"{self.num_blocks} blocks x {self.block_size} tokens"
-
 
 class SlotKVCache(PagedKVCache):
     """``n_slots`` contiguous reservations of ``max_len`` tokens, one per sequence."""
@@ -321,5 +315,3 @@ class SlotKVCache(PagedKVCache):
     def fits_alone(self, n_tokens: int) -> bool:
         return n_tokens <= self.max_len
 
-    def capacity_sequences(self) -> str:
-        return f"{self.num_blocks} slots x {self.max_len} tokens"

@@ -57,19 +57,6 @@ class ModelConfig:
         """K and V bytes one token occupies across all layers, per element byte."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        qkv = h * d * (self.num_heads + 2 * self.num_kv_heads) + h * self.num_heads * d
-        per_layer = qkv + 3 * h * i + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
-
-    def flops_per_token(self) -> int:
-        """Matmul FLOPs for one token (2 per multiply-add), attention scores excluded."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        proj = h * d * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * h * i
-        return 2 * (self.num_layers * proj + self.vocab_size * h)
-
 
 class Attention(Protocol):
     """What a cache hands the model for one step (see ``tinyllm_cli.cache``)."""
