@@ -183,3 +183,15 @@ def test_inspect_blocks_snapshot(capsys, llama_dir, tmp_path):
     assert "block map" in err and "free list" in err
     code, _, err = cli(capsys, "inspect-blocks", "--model", llama_dir, "--num-prompts", 2, "--at", 100000, "-q")
     assert code == 1 and "no step" in err
+    st = tmp_path / "s.json"
+    code, _, _ = cli(capsys, "inspect-blocks", "--model", llama_dir, "--num-prompts", 2, "-q", "--stats-json", st)
+    assert code == 0 and json.loads(st.read_text())["num_requests"] == 2
+
+
+def test_bench_stats_json_is_the_rows(capsys, llama_dir, tmp_path):
+    st = tmp_path / "s.json"
+    code, out, _ = cli(capsys, "bench", "--model", llama_dir, "--num-prompts", 3, "--input-len", 8, "--output-len", 4,
+                       "--max-model-len", 64, "-q", "--stats-json", st)
+    rows = json.loads(st.read_text())
+    assert code == 0 and out == "" and [r["cache_kind"] for r in rows] == ["paged", "slot"]
+    assert all(r["num_requests"] == 3 and r["output_tokens"] == 12 for r in rows)

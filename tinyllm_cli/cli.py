@@ -125,7 +125,8 @@ def bench(
     output_len: Annotated[int, typer.Option(help="Tokens generated per request.")] = 64,
     range_ratio: Annotated[float, typer.Option(help="Prompt lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
     prompts: Annotated[Optional[str], typer.Option("--prompts", help="Use a prompts file instead of random tokens.")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows as JSON.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", "--stats-json",
+                                                     help="Write the rows (each run's stats) as JSON.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
     bench_seed: Annotated[int, typer.Option("--workload-seed", help="Seed of the random workload.")] = 0,
     warmup: Annotated[bool, typer.Option(help="One short untimed run first.")] = True,
@@ -165,7 +166,7 @@ def inspect_blocks(
     block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
     max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None, chat: ChatOpt = False,
     quiet: QuietOpt = False, debug: DebugOpt = False, prefix_cache: PrefixOpt = None,
-    max_prefill_tokens: PrefillOpt = None,
+    max_prefill_tokens: PrefillOpt = None, stats_json: StatsOpt = None,
 ):
     """Show the paged cache's block map, block tables, free list and timeline."""
     from .config import load_config
@@ -178,7 +179,7 @@ def inspect_blocks(
                                          max_new_tokens=output_len, prefix_cache=prefix_cache,
                                          max_prefill_tokens=max_prefill_tokens))
     raise typer.Exit(run_inspect(cfg, prompts, num_prompts, input_len, output_len, range_ratio, at,
-                                 json_out, chat, quiet))
+                                 json_out, chat, quiet, stats_json))
 
 
 # ---- entry point ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from .bench import prompts_from_file, random_prompts, requests_for
+from .commands import write_stats_file
 from .config import Config
 from .errors import TinyLLMError, UsageError
 from .io import check_prompt_file
@@ -77,7 +78,8 @@ class Recorder:
 
 
 def run_inspect(cfg: Config, prompts: str | None, num_prompts: int, input_len: int, output_len: int,
-                range_ratio: float, at: str, json_out: Path | None, chat: bool, quiet: bool) -> int:
+                range_ratio: float, at: str, json_out: Path | None, chat: bool, quiet: bool,
+                stats_json: Path | None = None) -> int:
     when = parse_at(at)
     if prompts:
         check_prompt_file(prompts)
@@ -98,6 +100,7 @@ def run_inspect(cfg: Config, prompts: str | None, num_prompts: int, input_len: i
         raise TinyLLMError(f"the run had {engine._step} steps, so there is no step {when} to show")
     report = {"at": at, "snapshot": rec.snap, "summary": engine.stats.summary(),
               "preemption_steps": engine.stats.preemption_steps, "timeline": engine.stats.timeline()}
+    write_stats_file(stats_json, report["summary"])
     if json_out is not None:
         text = json.dumps(report) + "\n"
         try:
