@@ -39,13 +39,14 @@ class CacheError(ValueError):
 
 
 def parse_bytes(text: str | int) -> int:
-    """'512MiB', '2GB', '1.5GiB', '1048576' -> bytes."""
+    """'512MiB', '2GB', '1.5GiB', '1TiB', '1048576' -> bytes."""
     if isinstance(text, int):
         return text
     s = str(text).strip()
     units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-             "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
-    num = s.rstrip("kKmMgGiIbB")
+             "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3,
+             "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+    num = s.rstrip("kKmMgGtTiIbB")
     unit = s[len(num):].strip().lower()
     try:
         value = float(num)
