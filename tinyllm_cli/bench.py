@@ -114,10 +114,6 @@ def random_workload(spec: BenchSpec, rt: Runtime) -> list[list[int]]:
     return [prefixes[i % spec.num_prefixes] + s for i, s in enumerate(suffixes)]
 
 
-def file_workload(spec: BenchSpec, rt: Runtime, cfg: Config) -> list[list[int]]:
-    return prompts_from_file(spec.prompts, rt, cfg, spec.chat)
-
-
 def prompts_from_file(path: str, rt: Runtime, cfg: Config, chat: bool) -> list[list[int]]:
     builder = RequestBuilder(rt.tokenizer, chat, cfg.sampling)
     out = []
@@ -153,7 +149,7 @@ def run_one(cfg: Config, rt: Runtime, kind: str, block_size: int, budget: int,
 
 def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path | None, quiet: bool) -> int:
     rt = load_runtime(cfg, progress=not quiet)
-    workload = file_workload(spec, rt, cfg) if spec.prompts else random_workload(spec, rt)
+    workload = prompts_from_file(spec.prompts, rt, cfg, spec.chat) if spec.prompts else random_workload(spec, rt)
     budget = kv_budget(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, block_size=spec.block_sizes[0])),
                        rt.model.cfg, rt.dtype)
     if spec.warmup:  # first-call costs (allocator, kernels) must not land on the first row

@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,7 +27,6 @@ from .runtime import load_runtime, make_engine
 def write_stats_file(path: Path | None, stats: dict) -> None:
     if path is None:
         return
-    import json
     try:
         path.write_text(json.dumps(stats, indent=2) + "\n")
     except OSError as e:

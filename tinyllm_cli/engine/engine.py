@@ -140,10 +140,9 @@ class LLMEngine:
 
     def _prepare(self, plan: Plan):
         """Pack the step's tokens; returns (samplers, ids, positions, logit rows, attention)."""
-        ids, pos, logit_rows, samplers = [], [], [], []
-        for s in plan.decode:
-            ids.append(s.tokens[-1])
-            pos.append(s.num_tokens - 1)
+        # Decode rows first (one token each, all sample), then the prefill chunks.
+        ids = [s.tokens[-1] for s in plan.decode]
+        pos = [s.num_tokens - 1 for s in plan.decode]
         logit_rows = list(range(len(plan.decode)))
         samplers = list(plan.decode)
         row = len(plan.decode)
