@@ -45,7 +45,7 @@ from .commands import write_stats_file
 from .config import Config
 from .engine.request import Request, RequestOutput
 from .errors import Interrupted, TinyLLMError, UsageError
-from .io import RequestBuilder, ResultFile
+from .io import RequestBuilder, ResultFile, open_output
 from .report import run_table, stderr_console
 from .runtime import load_runtime, make_engine
 
@@ -254,17 +254,6 @@ def open_input(path: str) -> BinaryIO | None:
         raise UsageError(f"cannot read input file {path!r}: {e.strerror}")
 
 
-def open_output(path: str) -> ResultFile:
-    if path == "-":
-        return ResultFile(sys.stdout, "stdout")
-    if Path(path).is_dir():
-        raise UsageError(f"output path {path!r} is a directory")
-    try:
-        return ResultFile(open(path, "wb", buffering=0), path)
-    except OSError as e:
-        raise TinyLLMError(f"cannot open output file {path!r} for writing: {e.strerror}")
-
-
 def _stdin_lines():
     """Raw stdin lines read straight from the file descriptor: a reader thread still blocked in
     ``read`` at exit then holds no lock of ``sys.stdin``'s buffer (which would abort shutdown)."""
@@ -337,7 +326,7 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
               quiet: bool, stats_json: Path | None) -> int:
     src = open_input(input)
     try:
-        out = open_output(output)
+        out, _ = open_output(output, resume=False)  # the generate command's writer, fresh file
     except TinyLLMError:
         if src is not None:
             src.close()
