@@ -53,11 +53,7 @@ class BenchSpec:
         bad = [k for k in kinds if k not in ("paged", "slot")]
         if bad or not kinds:
             raise UsageError(f"--cache takes a comma list of paged and slot, not {caches!r}")
-        for name, v in (("--num-prompts", num_prompts), ("--input-len", input_len), ("--output-len", output_len)):
-            if v <= 0:
-                raise UsageError(f"{name} must be a positive integer, not {v}")
-        if not 0 <= range_ratio < 1:
-            raise UsageError(f"--range-ratio must be in [0, 1), not {range_ratio}")
+        check_workload(num_prompts, input_len, output_len, range_ratio)
         if prompts:
             check_prompt_file(prompts)
         if prefix_len < 0 or num_prefixes < 1:
@@ -79,6 +75,15 @@ class BenchSpec:
             else:
                 out += [("paged", b, pc) for b in self.block_sizes for pc in self.prefix_modes]
         return out
+
+
+def check_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float) -> None:
+    """The random-workload flags shared by bench and inspect-blocks."""
+    for name, v in (("--num-prompts", num_prompts), ("--input-len", input_len), ("--output-len", output_len)):
+        if v <= 0:
+            raise UsageError(f"{name} must be a positive integer, not {v}")
+    if not 0 <= range_ratio < 1:
+        raise UsageError(f"--range-ratio must be in [0, 1), not {range_ratio}")
 
 
 def _int_list(text: str, flag: str) -> list[int]:

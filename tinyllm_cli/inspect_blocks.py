@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.table import Table
 from tqdm import tqdm
 
-from .bench import prompts_from_file, random_prompts, requests_for
+from .bench import check_workload, prompts_from_file, random_prompts, requests_for
 from .commands import write_stats_file
 from .config import Config
 from .errors import TinyLLMError, UsageError
@@ -83,9 +83,7 @@ def run_inspect(cfg: Config, prompts: str | None, num_prompts: int, input_len: i
     when = parse_at(at)
     if prompts:
         check_prompt_file(prompts)
-    for name, v in (("--num-prompts", num_prompts), ("--input-len", input_len), ("--output-len", output_len)):
-        if v <= 0:
-            raise UsageError(f"{name} must be a positive integer, not {v}")
+    check_workload(num_prompts, input_len, output_len, range_ratio)
     rt = load_runtime(cfg, progress=not quiet)
     workload = (prompts_from_file(prompts, rt, cfg, chat) if prompts
                 else random_prompts(rt.model.cfg, num_prompts, input_len, range_ratio, 0))
