@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.kv import CacheError, PagedKVCache, SlotKVCache, parse_bytes
+from .cache.kv import CacheError, PagedKVCache, SlotKVCache, parse_bytes, token_bytes
 from .config import Config
 from .engine.engine import LLMEngine
 from .errors import TinyLLMError, UsageError
@@ -62,8 +62,7 @@ def kv_budget(cfg: Config, model_cfg, dtype) -> int:
     """Bytes of K/V both cache kinds get: num_blocks x block_size tokens when given, else kv_memory."""
     c = cfg.cache
     if c.num_blocks is not None:
-        per_token = model_cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
-        return c.num_blocks * c.block_size * per_token
+        return c.num_blocks * c.block_size * token_bytes(model_cfg, dtype)
     return parse_bytes(c.kv_memory)
 
 

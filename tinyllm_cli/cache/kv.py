@@ -57,6 +57,11 @@ def parse_bytes(text: str | int) -> int:
     return int(value * units[unit])
 
 
+def token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes across all layers."""
+    return cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+
+
 def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -95,7 +100,7 @@ class PagedKVCache:
             raise CacheError("block_size and num_blocks must be positive")
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         self.device, self.dtype = torch.device(device), dtype
-        self.bytes_per_token = cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        self.bytes_per_token = token_bytes(cfg, dtype)
         self.kv_bytes = num_blocks * block_size * self.bytes_per_token
         # The scratch block follows the real ones; the slot cache needs only one scratch slot.
         self.scratch_slot = num_blocks * block_size
@@ -124,7 +129,7 @@ class PagedKVCache:
 
     @classmethod
     def from_budget(cls, cfg, kv_bytes: int, block_size: int, dtype, device, **kw) -> "PagedKVCache":
-        per_block = block_size * cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        per_block = block_size * token_bytes(cfg, dtype)
         n = kv_bytes // per_block
         if n < 1:
             raise CacheError(f"a KV budget of {kv_bytes} bytes holds no block of {per_block} bytes")
@@ -299,7 +304,7 @@ class SlotKVCache(PagedKVCache):
 
     @classmethod
     def from_budget(cls, cfg, kv_bytes: int, max_len: int, dtype, device, **kw) -> "SlotKVCache":
-        per_slot = max_len * cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        per_slot = max_len * token_bytes(cfg, dtype)
         n = kv_bytes // per_slot
         if n < 1:
             raise CacheError(
