@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .config import Config
 from .errors import Interrupted, TinyLLMError
-from .io import (OrderedWriter, RequestBuilder, Resume, check_prompt_file, count_records, id_key, open_output,
+from .io import (OrderedWriter, RequestBuilder, Resume, check_prompt_file, id_key, open_output,
                  output_line, read_records, record_id)
 from .report import run_table, stderr_console
 from .runtime import load_runtime, make_engine
@@ -50,8 +50,7 @@ def requests_from_file(path: str, builder: RequestBuilder, resume: Resume, write
 
 def run_generate(cfg: Config, prompts: str, output: str | None, resume: bool, strict: bool,
                  chat: bool, quiet: bool, stats_json: Path | None) -> int:
-    check_prompt_file(prompts)
-    total = count_records(prompts)
+    total = check_prompt_file(prompts)  # also the number of prompts, for the progress bar
     out, plan = open_output(output, resume, prompts)
     try:
         rt = load_runtime(cfg, progress=not quiet)

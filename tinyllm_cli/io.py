@@ -16,7 +16,6 @@ Invariants:
 
 from __future__ import annotations
 
-import codecs
 import io
 import json
 import os
@@ -43,25 +42,33 @@ SAMPLING_KEYS = SamplingParams.field_names()
 ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 
 
-def check_prompt_file(path: str) -> None:
-    """Fail early (exit 2) on a file that is missing, a directory, or not UTF-8."""
+def check_prompt_file(path: str) -> int | None:
+    """Fail early (exit 2) on a file that is missing, a directory, or not UTF-8; in the same
+    single pass, count its non-blank lines (for a progress bar with a real ETA; None for stdin)."""
     if path == "-":
-        return
+        return None
     p = Path(path)
     if not p.exists():
         raise UsageError(f"prompts file {path!r} does not exist")
     if p.is_dir():
         raise UsageError(f"prompts file {path!r} is a directory, not a file")
-    decoder = codecs.getincrementaldecoder("utf-8")()
+    count, offset = 0, 0
     try:
         with p.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                decoder.decode(chunk)
-            decoder.decode(b"", final=True)
-    except UnicodeDecodeError as e:
-        raise UsageError(f"prompts file {path!r} is not UTF-8 text (bad byte at offset {e.start})")
+            # Lines split on b"\n", which never falls inside a UTF-8 character.
+            for raw in f:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UsageError(f"prompts file {path!r} is not UTF-8 text "
+                                     f"(bad byte at offset {offset + e.start})")
+                if offset == 0:
+                    line = line.removeprefix("\ufeff")
+                count += bool(line.strip())
+                offset += len(raw)
     except OSError as e:
         raise UsageError(f"cannot read prompts file {path!r}: {e.strerror}")
+    return count
 
 
 def _lines(path: str) -> Iterator[str | None]:
@@ -200,14 +207,6 @@ def _check_text(text: str, what: str) -> None:
 
 def output_line(out) -> str:
     return json.dumps(out.to_json(), ensure_ascii=False) + "\n"
-
-
-def count_records(path: str) -> int | None:
-    """Non-blank lines, for a progress bar with a real ETA (None for stdin)."""
-    if path == "-":
-        return None
-    with open(path, encoding="utf-8-sig") as f:
-        return sum(1 for line in f if line.strip())
 
 
 class ResultFile:
