@@ -1,5 +1,6 @@
 """Reference points for ``bench``: transformers' own ``generate`` on the identical workload, and
-the machine's GEMM rate on the model's own matrix shapes (the roofline).
+the machine's GEMM rate on the model's own matrix shapes (the roofline), on the engine's own
+matmul path and, for comparison, on plain ``F.linear``.
 
 Invariants:
 - The baseline sees the same prompt ids, greedy, with exactly ``output_len`` new tokens each
@@ -12,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from .errors import TinyLLMError
 from .model.checkpoint import default_model_path
+from .model.gemm import PackedLinear
 
 
 def _hf_model(spec: str | None, dtype: torch.dtype, device: torch.device):
@@ -69,15 +72,18 @@ def layer_shapes(cfg) -> list[tuple[int, int, int]]:
     return [(i, o, cfg.num_layers) for i, o in per_layer] + [(h, cfg.vocab_size, 1)]
 
 
-def measure_roofline(cfg, dtype: torch.dtype, device: torch.device, tokens: int = 256, reps: int = 10) -> dict:
-    """GEMM FLOP/s of ``tokens`` rows through each of the model's weight shapes."""
+def measure_roofline(cfg, dtype: torch.dtype, device: torch.device, gemm: str = "torch", tokens: int = 256,
+                     reps: int = 10) -> dict:
+    """GEMM FLOP/s of ``tokens`` rows through each of the model's weight shapes, on the matmul
+    path ``gemm`` ('torch' = F.linear, 'onednn' = the packed linears the engine uses)."""
     shapes = layer_shapes(cfg)
     ws = [torch.randn(o, i, dtype=dtype, device=device) for i, o, _ in shapes]
     xs = [torch.randn(tokens, i, dtype=dtype, device=device) for i, _, _ in shapes]
+    fns = [PackedLinear(w, None) if gemm == "onednn" else partial(F.linear, weight=w) for w in ws]
 
     def once():
-        for w, x in zip(ws, xs):
-            F.linear(x, w)
+        for fn, x in zip(fns, xs):
+            fn(x)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -89,5 +95,5 @@ def measure_roofline(cfg, dtype: torch.dtype, device: torch.device, tokens: int 
     flops = reps * sum(2 * tokens * i * o for i, o, _ in shapes)
     rate = flops / elapsed
     per_token = sum(2 * i * o * n for i, o, n in shapes)
-    return {"gemm_gflops": round(rate / 1e9, 1), "flops_per_token": per_token,
+    return {"gemm": gemm, "gemm_gflops": round(rate / 1e9, 1), "flops_per_token": per_token,
             "roofline_tokens_per_s": round(rate / per_token, 1), "gemm_rows": tokens}

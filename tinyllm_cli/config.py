@@ -53,6 +53,7 @@ class Config:
     model: str = "default"
     device: str = "auto"
     dtype: str = "auto"
+    gemm: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -60,6 +61,7 @@ class Config:
 
 SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "sampling": SamplingConfig}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GEMMS = ("auto", "onednn", "torch")  # see model/gemm.py
 
 
 def _hints(cls) -> dict[str, object]:
@@ -224,6 +226,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
                          f"running sequence needs at least one block; raise num_blocks or lower max_num_seqs")
     if cfg.dtype not in DTYPES:
         raise UsageError(f"dtype{at('dtype', '')} must be one of {', '.join(DTYPES)}, not {cfg.dtype!r}")
+    if cfg.gemm not in GEMMS:
+        raise UsageError(f"gemm{at('gemm', '')} must be one of {', '.join(GEMMS)}, not {cfg.gemm!r}")
     if not (cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")):
         raise UsageError(f"device{at('device', '')} must be auto, cpu, cuda or cuda:N, not {cfg.device!r}")
     from .cache.kv import CacheError, parse_bytes

@@ -16,6 +16,7 @@ from .config import Config
 from .engine.engine import LLMEngine
 from .errors import TinyLLMError, UsageError
 from .model.checkpoint import load_checkpoint
+from .model.gemm import resolve_gemm
 from .model.llama import LlamaModel, build_model
 from .model.tokenizer import Tokenizer
 
@@ -50,9 +51,13 @@ def load_runtime(cfg: Config, progress: bool = True) -> Runtime:
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    try:
+        gemm = resolve_gemm(cfg.gemm, dtype, device)  # before the (slow) load: a bad choice fails fast
+    except ValueError as e:
+        raise UsageError(str(e))
     ck = load_checkpoint(cfg.model, progress)
     try:
-        model = build_model(ck.config, ck.weights, dtype, str(device))
+        model = build_model(ck.config, ck.weights, dtype, str(device), gemm)
     except ValueError as e:
         raise TinyLLMError(f"cannot build the model from {ck.source}: {e}")
     return Runtime(model, ck.tokenizer, ck.name, device, dtype, time.perf_counter() - t0)

@@ -14,6 +14,8 @@ Invariants:
 - Only the rows in ``logits_index`` go through the output projection: during prefill that is the
   last token of each sequence, which saves the (large) vocabulary matmul for every other token.
 - Q/K/V and gate/up are fused into one matmul each at load time (``fuse_weights``).
+- On CPU the weight matmuls run through oneDNN with pre-packed weights (``gemm.py``) unless
+  ``gemm='torch'``; ``model.gemm`` says which path a loaded model uses.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .gemm import pack_linears, resolve_gemm
 
 
 @dataclass
@@ -150,6 +154,7 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.gemm = "torch"
 
     @property
     def device(self) -> torch.device:
@@ -181,8 +186,11 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
 
-def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype, device: str) -> LlamaModel:
-    """Create the model on ``device`` from HF-named weights (``model.layers.N.self_attn.q_proj...``)."""
+def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype, device: str,
+                gemm: str = "auto") -> LlamaModel:
+    """Create the model on ``device`` from HF-named weights (``model.layers.N.self_attn.q_proj...``).
+    ``gemm`` is 'auto', 'onednn' or 'torch' (see ``gemm.py``); packing comes last because a
+    packed model can no longer be moved."""
     with torch.device("meta"):
         model = LlamaModel(cfg)
     state = fuse_weights(cfg, weights)
@@ -195,7 +203,11 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:4])}")
     model = model.to(device=device, dtype=dtype)
     model.inv_freq = model.inv_freq.float()
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    model.gemm = resolve_gemm(gemm, dtype, torch.device(device))
+    if model.gemm == "onednn":
+        pack_linears(model)
+    return model
 
 
 def fuse_weights(cfg: ModelConfig, w: dict[str, Tensor]) -> dict[str, Tensor]:
