@@ -25,9 +25,9 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 
-def _ours(path, dtype=torch.float32):
+def _ours(path, dtype=torch.float32, gemm="auto"):
     ck = load_checkpoint(str(path), progress=False)
-    return build_model(ck.config, ck.weights, dtype, "cpu")
+    return build_model(ck.config, ck.weights, dtype, "cpu", gemm)
 
 
 def _hf(path):
@@ -85,8 +85,9 @@ def shape_dir(request):
     return request.getfixturevalue(request.param)
 
 
-def test_packed_logits_match_hf(shape_dir):
-    ours, hf = _ours(shape_dir), _hf(shape_dir)
+@pytest.mark.parametrize("gemm", ["auto", "torch"])  # auto: oneDNN packed weights where usable
+def test_packed_logits_match_hf(shape_dir, gemm):
+    ours, hf = _ours(shape_dir, gemm=gemm), _hf(shape_dir)
     prompts = _prompts(ours.cfg.vocab_size, PROMPT_LENS)
     _assert_logits_match(_packed_logits(ours, prompts), hf, prompts)
 

@@ -1,0 +1,88 @@
+"""The oneDNN packed-weight matmul path (``model/gemm.py``) against plain ``F.linear``, and the
+choice between the two (``gemm: auto | onednn | torch``). Whole-model equivalence with packing on
+is covered by test_model_vs_hf (transformers) and test_engine (no-cache recompute)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyllm_cli.cli import main
+from tinyllm_cli.model.checkpoint import load_checkpoint
+from tinyllm_cli.model.gemm import PackedLinear, onednn_usable, resolve_gemm
+from tinyllm_cli.model.llama import build_model
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not onednn_usable(torch.float32, CPU), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_fp32(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=g)
+    b = torch.randn(200, generator=g) if bias else None
+    x = torch.randn(rows, 96, generator=g)
+    got, ref = PackedLinear(w, b)(x), F.linear(x, w, b)
+    assert got.shape == ref.shape == (rows, 200) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_packed_linear_takes_non_contiguous_rows_and_bf16():
+    w = torch.randn(64, 48)
+    x = torch.randn(10, 96)[:, ::2]  # a strided view, as a split/select can hand it over
+    assert not x.is_contiguous()
+    torch.testing.assert_close(PackedLinear(w, None)(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    if onednn_usable(torch.bfloat16, CPU):
+        wb, xb = w.bfloat16(), x.contiguous().bfloat16()
+        got = PackedLinear(wb, None)(xb)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), F.linear(xb, wb).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_resolve_gemm_choices():
+    assert resolve_gemm("torch", torch.float32, CPU) == "torch"
+    assert resolve_gemm("auto", torch.float16, CPU) == "torch"  # no packed fp16 path: plain F.linear
+    assert resolve_gemm("auto", torch.float32, torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="onednn"):
+        resolve_gemm("onednn", torch.float16, CPU)
+    if onednn_usable(torch.float32, CPU):
+        assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
+
+
+@needs_onednn
+def test_model_packs_every_linear_and_matches_the_torch_path(llama_dir):
+    ck = load_checkpoint(str(llama_dir), progress=False)
+    packed = build_model(ck.config, ck.weights, torch.float32, "cpu", "onednn")
+    plain = build_model(ck.config, ck.weights, torch.float32, "cpu", "torch")
+    assert packed.gemm == "onednn" and plain.gemm == "torch"
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 4 * ck.config.num_layers + 1
+    assert sum(isinstance(m, nn.Linear) for m in plain.modules()) == 4 * ck.config.num_layers + 1
+
+    from tinyllm_cli.cache.attention import NoCacheAttention
+    ids = torch.randint(3, ck.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(25), torch.arange(15)])
+    with torch.inference_mode():
+        a = packed(ids, pos, NoCacheAttention([25, 15]), None)
+        b = plain(ids, pos, NoCacheAttention([25, 15]), None)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_gemm_errors_are_one_sentence(capsys, tmp_path, llama_dir):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [5]}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("dtype: float32\ngemm: fast\n")
+    for args, needles in ((["-c", cfg], ["gemm", "line 2", "onednn"]),
+                          (["--gemm", "onednn", "--dtype", "float16"], ["onednn", "float16"])):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "-p", str(prompts), "--model", str(llama_dir), *map(str, args)])
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and out == ""
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert all(n in err for n in needles), err
