@@ -43,11 +43,13 @@ class BenchSpec:
     prefix_modes: tuple[bool, ...] = (True,)
     baseline: str | None = None
     roofline: bool = False
+    profile: bool = False
 
     @classmethod
     def parse(cls, block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts, seed,
               warmup, chat, cfg: Config, prefix_len: int = 0, num_prefixes: int = 1,
-              prefix_cache: str = "on", baseline: str | None = None, roofline: bool = False) -> "BenchSpec":
+              prefix_cache: str = "on", baseline: str | None = None, roofline: bool = False,
+              profile: bool = False) -> "BenchSpec":
         sizes = _int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
         kinds = [c.strip() for c in caches.split(",") if c.strip()]
         bad = [k for k in kinds if k not in ("paged", "slot")]
@@ -65,7 +67,7 @@ class BenchSpec:
         if baseline not in (None, "hf"):
             raise UsageError(f"--baseline takes hf (transformers generate), not {baseline!r}")
         return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat,
-                   prefix_len, num_prefixes, tuple(modes[m] for m in picked), baseline, roofline)
+                   prefix_len, num_prefixes, tuple(modes[m] for m in picked), baseline, roofline, profile)
 
     def combos(self) -> list[tuple[str, int, bool]]:
         out = []
@@ -139,11 +141,20 @@ def requests_for(workload: list[list[int]], output_len: int) -> list[Request]:
 
 def run_one(cfg: Config, rt: Runtime, kind: str, block_size: int, budget: int,
             workload: list[list[int]], output_len: int, prefix_caching: bool = False,
-            tokens_out: list | None = None) -> dict:
+            tokens_out: list | None = None, profile_into: dict | None = None) -> dict:
+    """One engine run of the workload; its stats summary. ``profile_into``: run it under the
+    profiler (cache allocation stays outside) and put the breakdown there."""
     c = dataclasses.replace(cfg.cache, kind=kind, block_size=block_size or cfg.cache.block_size,
                             num_blocks=None, kv_memory=str(budget), prefix_caching=prefix_caching)
     engine = make_engine(dataclasses.replace(cfg, cache=c), rt)
-    outs = sorted(engine.run(requests_for(workload, output_len)), key=lambda o: o.index)
+    reqs = requests_for(workload, output_len)
+    if profile_into is None:
+        outs = list(engine.run(reqs))
+    else:
+        from .profiling import profile_run
+        outs = []
+        profile_into |= profile_run(lambda: outs.extend(engine.run(reqs)), rt.device)
+    outs.sort(key=lambda o: o.index)
     if tokens_out is not None:
         tokens_out[:] = [o.token_ids for o in outs]
     failed = [o for o in outs if o.finish_reason == "error"]
@@ -168,6 +179,8 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
                 "mean_input_len": round(sum(map(len, workload)) / len(workload), 1)}
         rows.append(row)
     refs = reference_points(spec, cfg, rt, workload, first_tokens, rows, quiet)
+    if spec.profile:
+        refs["profile"] = profile_first(spec, cfg, rt, budget, workload)
     write_rows(rows, json_out, csv_out)
     if not quiet:
         title = (f"tinyllm bench · {rt.model_name} · {str(rt.dtype).removeprefix('torch.')} · gemm {rt.model.gemm} · "
@@ -175,8 +188,10 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
                  f"~{rows[0]['mean_input_len']:.0f} in / {spec.output_len} out · KV {budget / 2**20:.0f} MiB")
         con = stderr_console()
         con.print(bench_table(rows, title))
-        if refs:
+        if refs.keys() - {"profile"}:
             con.print(reference_table(refs, rows))
+        if "profile" in refs:
+            con.print(profile_table(refs["profile"]))
     return 0
 
 
@@ -205,6 +220,29 @@ def reference_points(spec: BenchSpec, cfg: Config, rt: Runtime, workload, first_
     for r in rows:
         r["reference"] = refs
     return refs
+
+
+def profile_first(spec: BenchSpec, cfg: Config, rt: Runtime, budget: int, workload) -> dict:
+    """An extra, profiled run of the first row's configuration (see ``profiling.py``)."""
+    kind, bs, pc = spec.combos()[0]
+    prof: dict = {}
+    summary = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc, profile_into=prof)
+    return prof | {"run": f"{kind}/{summary['block_size']}", "phases_s": summary["phases_s"],
+                   "engine_overhead_frac": summary["engine_overhead_frac"]}
+
+
+def profile_table(p: dict):
+    from rich.table import Table
+    t = Table(title=f"where the time goes: profiled rerun of {p['run']} ({p['wall_s']:.2f} s under the profiler)",
+              header_style="bold")
+    t.add_column("category")
+    t.add_column("seconds", justify="right")
+    t.add_column("share", justify="right")
+    for name, c in p["categories"].items():
+        t.add_row(name, f"{c['s']:.3f}", f"{c['share']:.1%}")
+    phases = "  ".join(f"{k} {v:.3f}" for k, v in p["phases_s"].items())
+    t.caption = f"engine phases (s): {phases} · engine overhead {p['engine_overhead_frac']:.1%} of wall"
+    return t
 
 
 def reference_table(refs: dict, rows: list[dict]):

@@ -95,8 +95,10 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """HF's ``x * cos + rotate_half(x) * sin``, where ``rotate_half(x) = cat(-x2, x1)``: that is
     a half-roll of x with the first half negated, and the sign is folded into ``sin_signed``
-    once per step, so each layer does one roll and one fused multiply-add."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+    once per step. Rotates ``x`` in place (it is a view of a fresh projection output) and
+    returns it: one temporary (the roll) instead of three."""
+    rolled = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed)
+    return x.mul_(cos).add_(rolled)
 
 
 class RMSNorm(nn.Module):
@@ -140,7 +142,8 @@ class DecoderLayer(nn.Module):
         o = attn.attend(self.index, q, k, v)
         x = x + self.o_proj(o.reshape(t, self.q_size))
         gate, up = self.gate_up(self.post_norm(x)).split(self.inter, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        # In place: gate and up are views of a fresh matmul output nobody else holds.
+        return x.add_(self.down(F.silu(gate, inplace=True).mul_(up)))
 
 
 class LlamaModel(nn.Module):
