@@ -174,8 +174,7 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
     for kind, bs, pc in tqdm(spec.combos(), desc="bench", unit="run", file=sys.stderr, disable=quiet):
         row = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc,
                       tokens_out=first_tokens if not rows else None)
-        row |= {"model": rt.model_name, "dtype": str(rt.dtype).removeprefix("torch."), "gemm": rt.model.gemm,
-                "device": str(rt.device), "num_prompts": len(workload), "output_len": spec.output_len,
+        row |= rt.facts() | {"num_prompts": len(workload), "output_len": spec.output_len,
                 "mean_input_len": round(sum(map(len, workload)) / len(workload), 1)}
         rows.append(row)
     refs = reference_points(spec, cfg, rt, workload, first_tokens, rows, quiet)
@@ -183,8 +182,7 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
         refs["profile"] = profile_first(spec, cfg, rt, budget, workload)
     write_rows(rows, json_out, csv_out)
     if not quiet:
-        title = (f"tinyllm bench · {rt.model_name} · {str(rt.dtype).removeprefix('torch.')} · gemm {rt.model.gemm} · "
-                 f"{len(workload)} prompts, "
+        title = (f"tinyllm bench · {rt.describe()} · {len(workload)} prompts, "
                  f"~{rows[0]['mean_input_len']:.0f} in / {spec.output_len} out · KV {budget / 2**20:.0f} MiB")
         con = stderr_console()
         con.print(bench_table(rows, title))

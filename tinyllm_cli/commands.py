@@ -82,9 +82,8 @@ def run_generate(cfg: Config, prompts: str, output: str | None, resume: bool, st
     finally:
         bar.close()
         out.close()
-    summary = engine.stats.summary() | {"model": rt.model_name, "load_s": round(rt.load_s, 3),
-                                        "dtype": str(rt.dtype).removeprefix("torch."), "device": str(rt.device)}
+    summary = engine.stats.summary() | rt.facts()
     write_stats_file(stats_json, summary)
     if not quiet:
-        stderr_console().print(run_table(summary, title=f"tinyllm generate · {rt.model_name}"))
+        stderr_console().print(run_table(summary, title=f"tinyllm generate · {rt.describe()}"))
     return 1 if strict and failed else 0

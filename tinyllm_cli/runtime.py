@@ -46,6 +46,16 @@ class Runtime:
     dtype: torch.dtype
     load_s: float
 
+    def facts(self) -> dict:
+        """What ran, for stats files and bench rows."""
+        return {"model": self.model_name, "load_s": round(self.load_s, 3),
+                "dtype": str(self.dtype).removeprefix("torch."), "gemm": self.model.gemm, "device": str(self.device)}
+
+    def describe(self) -> str:
+        """What ran, for table titles: model · dtype · matmul path · device."""
+        return (f"{self.model_name} · {str(self.dtype).removeprefix('torch.')} · gemm {self.model.gemm} · "
+                f"{self.device}")
+
 
 def load_runtime(cfg: Config, progress: bool = True) -> Runtime:
     t0 = time.perf_counter()

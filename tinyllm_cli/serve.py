@@ -354,14 +354,13 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
         elif src is not None:
             src.close()
         out.close()
-    summary = engine.stats.summary() | {
-        "model": rt.model_name, "load_s": round(rt.load_s, 3), "dtype": str(rt.dtype).removeprefix("torch."),
-        "device": str(rt.device), "input_lines": serve.lines, "result_lines": writer.written,
+    summary = engine.stats.summary() | rt.facts() | {
+        "input_lines": serve.lines, "result_lines": writer.written,
         "error_lines": writer.errors, "request_rate": request_rate, "max_inflight": max_inflight,
         "peak_inflight": serve.peak_inflight, "idle_s": round(serve.idle_s, 4)}
     write_stats_file(stats_json, summary)
     if not quiet:
-        table = run_table(summary, title=f"tinyllm serve-batch · {rt.model_name}")
+        table = run_table(summary, title=f"tinyllm serve-batch · {rt.describe()}")
         table.add_row("result lines (error lines)", f"{writer.written} ({writer.errors})")
         table.add_row("peak in flight" + ("" if max_inflight is None else f" (max {max_inflight})"),
                       str(serve.peak_inflight))
