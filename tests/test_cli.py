@@ -146,6 +146,7 @@ def test_default_config_file_matches_builtin():
     (["generate", "-p", "prompts/questions.txt", "--device", "tpu"], 2, "device"),
     (["generate", "-p", "prompts/questions.txt", "--resume"], 2, "--output"),
     (["bench", "--block-size", "8,x"], 2, "--block-size"),
+    (["bench", "--repeat", "0"], 2, "--repeat"),
     (["inspect-blocks", "--at", "soon"], 2, "--at"),
 ])
 def test_usage_errors(capsys, args, code, needle):
@@ -203,10 +204,12 @@ def test_bench_references_and_profile(capsys, llama_dir, tmp_path):
     js = tmp_path / "b.json"
     code, out, err = cli(capsys, "bench", "--model", llama_dir, "--cache", "paged", "--num-prompts", 4,
                          "--input-len", 12, "--output-len", 6, "--max-model-len", 64, "--baseline", "hf",
-                         "--roofline", "--profile", "--json", js)
+                         "--roofline", "--profile", "--repeat", 3, "--json", js)
     assert code == 0 and out == ""
     (row,) = json.loads(js.read_text())
+    assert row["repeats"] == 3 and sorted(row["elapsed_s_runs"])[1] == row["elapsed_s"]  # the median run
     ref = row["reference"]
+    assert len(ref["hf"]["elapsed_s_runs"]) == 3 and sorted(ref["hf"]["elapsed_s_runs"])[1] == ref["hf"]["elapsed_s"]
     assert ref["hf"]["num_prompts"] == 4 and ref["hf"]["greedy_match"] == 4  # same tokens as transformers
     assert row["vs_hf"] == pytest.approx(row["total_tokens_per_s"] / ref["hf"]["total_tokens_per_s"], rel=1e-2)
     assert ref["roofline"]["gemm"] == row["gemm"] and ref["roofline"]["gemm_gflops"] > 0

@@ -39,8 +39,9 @@ def _hf_model(spec: str | None, dtype: torch.dtype, device: torch.device):
 
 
 def hf_generate_baseline(spec: str | None, workload: list[list[int]], output_len: int, dtype: torch.dtype,
-                         device: torch.device, pad_id: int) -> dict:
-    """transformers ``generate`` on one left-padded batch; returns timing and the new tokens."""
+                         device: torch.device, pad_id: int, repeat: int = 1) -> dict:
+    """transformers ``generate`` on one left-padded batch, ``repeat`` times; returns the median
+    timing, every run's time and the new tokens."""
     model = _hf_model(spec, dtype, device)
     longest = max(map(len, workload))
     ids = torch.full((len(workload), longest), pad_id, dtype=torch.long)
@@ -52,14 +53,19 @@ def hf_generate_baseline(spec: str | None, workload: list[list[int]], output_len
     gen = dict(do_sample=False, pad_token_id=pad_id, num_beams=1)
     with torch.inference_mode():
         model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, min_new_tokens=2, **gen)
-        t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len, **gen)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
+                                 **gen)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    elapsed = sorted(times)[(repeat - 1) // 2]
     new = out[:, longest:].tolist()
     total = sum(map(len, workload)) + len(workload) * output_len
     return {"engine": "transformers generate (one padded batch)", "elapsed_s": round(elapsed, 4),
+            "elapsed_s_runs": [round(t, 4) for t in times],
             "total_tokens_per_s": round(total / elapsed, 2),
             "output_tokens_per_s": round(len(workload) * output_len / elapsed, 2), "token_ids": new}
 

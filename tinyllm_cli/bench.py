@@ -44,12 +44,13 @@ class BenchSpec:
     baseline: str | None = None
     roofline: bool = False
     profile: bool = False
+    repeat: int = 1
 
     @classmethod
     def parse(cls, block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts, seed,
               warmup, chat, cfg: Config, prefix_len: int = 0, num_prefixes: int = 1,
               prefix_cache: str = "on", baseline: str | None = None, roofline: bool = False,
-              profile: bool = False) -> "BenchSpec":
+              profile: bool = False, repeat: int = 1) -> "BenchSpec":
         sizes = _int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
         kinds = [c.strip() for c in caches.split(",") if c.strip()]
         bad = [k for k in kinds if k not in ("paged", "slot")]
@@ -64,10 +65,13 @@ class BenchSpec:
         picked = [m.strip() for m in prefix_cache.split(",") if m.strip()]
         if not picked or any(m not in modes for m in picked):
             raise UsageError(f"--prefix-cache takes on, off or on,off, not {prefix_cache!r}")
+        if repeat < 1:
+            raise UsageError(f"--repeat must be at least 1, not {repeat}")
         if baseline not in (None, "hf"):
             raise UsageError(f"--baseline takes hf (transformers generate), not {baseline!r}")
         return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat,
-                   prefix_len, num_prefixes, tuple(modes[m] for m in picked), baseline, roofline, profile)
+                   prefix_len, num_prefixes, tuple(modes[m] for m in picked), baseline, roofline, profile,
+                   repeat)
 
     def combos(self) -> list[tuple[str, int, bool]]:
         out = []
@@ -163,6 +167,30 @@ def run_one(cfg: Config, rt: Runtime, kind: str, block_size: int, budget: int,
     return engine.stats.summary()
 
 
+def timed_rows(spec: BenchSpec, cfg: Config, rt: Runtime, budget: int, workload, quiet: bool):
+    """Every combination ``spec.repeat`` times, round robin (so drift on a noisy machine hits all
+    rows alike); each row is the run with the median elapsed time, with every run's time listed."""
+    combos = spec.combos()
+    runs: list[list[dict]] = [[] for _ in combos]
+    first_tokens: list = []
+    bar = tqdm(total=len(combos) * spec.repeat, desc="bench", unit="run", file=sys.stderr, disable=quiet)
+    for r in range(spec.repeat):
+        for i, (kind, bs, pc) in enumerate(combos):
+            runs[i].append(run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc,
+                                   tokens_out=first_tokens if (r, i) == (0, 0) else None))
+            bar.update(1)
+    bar.close()
+    rows = []
+    for done in runs:
+        times = [d["elapsed_s"] for d in done]
+        median = sorted(done, key=lambda d: d["elapsed_s"])[(len(done) - 1) // 2]
+        rows.append(median | rt.facts() | {
+            "num_prompts": len(workload), "output_len": spec.output_len,
+            "mean_input_len": round(sum(map(len, workload)) / len(workload), 1),
+            "repeats": spec.repeat, "elapsed_s_runs": times})
+    return rows, first_tokens
+
+
 def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path | None, quiet: bool) -> int:
     rt = load_runtime(cfg, progress=not quiet)
     workload = prompts_from_file(spec.prompts, rt, cfg, spec.chat) if spec.prompts else random_workload(spec, rt)
@@ -170,20 +198,15 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
                        rt.model.cfg, rt.dtype)
     if spec.warmup:  # first-call costs (allocator, kernels) must not land on the first row
         run_one(cfg, rt, "paged", spec.block_sizes[0], budget, workload[:2], 4)
-    rows, first_tokens = [], []
-    for kind, bs, pc in tqdm(spec.combos(), desc="bench", unit="run", file=sys.stderr, disable=quiet):
-        row = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc,
-                      tokens_out=first_tokens if not rows else None)
-        row |= rt.facts() | {"num_prompts": len(workload), "output_len": spec.output_len,
-                "mean_input_len": round(sum(map(len, workload)) / len(workload), 1)}
-        rows.append(row)
+    rows, first_tokens = timed_rows(spec, cfg, rt, budget, workload, quiet)
     refs = reference_points(spec, cfg, rt, workload, first_tokens, rows, quiet)
     if spec.profile:
         refs["profile"] = profile_first(spec, cfg, rt, budget, workload)
     write_rows(rows, json_out, csv_out)
     if not quiet:
         title = (f"tinyllm bench · {rt.describe()} · {len(workload)} prompts, "
-                 f"~{rows[0]['mean_input_len']:.0f} in / {spec.output_len} out · KV {budget / 2**20:.0f} MiB")
+                 f"~{rows[0]['mean_input_len']:.0f} in / {spec.output_len} out · KV {budget / 2**20:.0f} MiB"
+                 + (f" · median of {spec.repeat} runs" if spec.repeat > 1 else ""))
         con = stderr_console()
         con.print(bench_table(rows, title))
         if refs.keys() - {"profile"}:
@@ -208,7 +231,7 @@ def reference_points(spec: BenchSpec, cfg: Config, rt: Runtime, workload, first_
         if not quiet:
             print("running the transformers baseline ...", file=sys.stderr)
         pad = (rt.model.cfg.eos_token_ids or [0])[0]
-        base = hf_generate_baseline(cfg.model, workload, spec.output_len, rt.dtype, rt.device, pad)
+        base = hf_generate_baseline(cfg.model, workload, spec.output_len, rt.dtype, rt.device, pad, spec.repeat)
         theirs = base.pop("token_ids")
         base["greedy_match"] = sum(a == b for a, b in zip(theirs, first_tokens))
         base["num_prompts"] = len(workload)

@@ -136,6 +136,7 @@ def bench(
     prefix_modes: Annotated[str, typer.Option("--prefix-cache", help="Paged runs with prefix caching: on, off or on,off.")] = "on",
     baseline: Annotated[Optional[str], typer.Option(help="Also run 'hf' (transformers generate) on the same workload.")] = None,
     roofline: Annotated[bool, typer.Option("--roofline", help="Measure GEMM FLOP/s on the model's shapes; report fractions.")] = False,
+    repeat: Annotated[int, typer.Option(help="Runs per row (round robin); rows report the median run.")] = 1,
     profile: Annotated[bool, typer.Option("--profile", help="Rerun the first row under torch.profiler; show where the time goes.")] = False,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     gemm: GemmOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
@@ -150,7 +151,7 @@ def bench(
                                          max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens))
     spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
                            bench_seed, warmup, chat, cfg, prefix_len, num_prefixes, prefix_modes, baseline, roofline,
-                           profile)
+                           profile, repeat)
     raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet))
 
 
