@@ -50,7 +50,7 @@ def test_filters_and_draws_match_a_full_sort_reference(scale):
     seqs = [_seq(100 + i, **r) for i, r in enumerate(ROWS)]
     full = torch.zeros(len(ROWS), VOCAB, dtype=torch.float64)
     for ranked in (False, True):  # the two groups sample() makes
-        rows = [i for i, s in enumerate(seqs) if sampler._ranks_tokens(s.request.params) == ranked]
+        rows = [i for i, s in enumerate(seqs) if sampler._ranks_tokens(s.request.params, VOCAB) == ranked]
         probs, ids = sampler.filter_logits(logits[rows].clone(), [seqs[i] for i in rows])
         if ids is None:
             full[rows] = probs.double()

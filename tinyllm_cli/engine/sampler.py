@@ -34,6 +34,11 @@ def apply_repetition_penalty(logits: Tensor, seqs: list[Sequence]) -> None:
             logits[i, ids] = torch.where(vals > 0, vals / p, vals * p)
 
 
+def _ranks_tokens(p, vocab: int) -> bool:
+    """Whether a row's filters need the tokens in order of likelihood (top-k or top-p)."""
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
 # Candidates for top-k / top-p: top-p's kept set almost always lies among the few hundred most
 # likely tokens of a 50k vocabulary, and a top-k of 1024 costs 0.2 ms where sorting the whole
 # vocabulary costs 2.7 ms (per row, on this CPU). Exact: a step falls back to the full sort
@@ -66,7 +71,7 @@ def filter_logits(logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, Tensor 
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     ids = None
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+    if any(_ranks_tokens(p, vocab) for p in params):
         full_lse = logits.logsumexp(-1)
         logits, ids = _ranked(logits, params)
         ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
@@ -101,11 +106,6 @@ def draw(probs: Tensor, ids: Tensor | None, seqs: list[Sequence], vocab: int) ->
     return ids.gather(-1, best)[:, 0]
 
 
-def _ranks_tokens(p) -> bool:
-    """Whether a row's filters need the tokens in order of likelihood (top-k or top-p)."""
-    return 0 < p.top_k or p.top_p < 1.0
-
-
 def sample(logits: Tensor, seqs: list[Sequence]) -> Tensor:
     """logits [B, V] float32 for ``seqs`` (same order) -> token ids [B] (on device). Sampled rows
     go in two groups, so rows that rank tokens never force a sort on rows that do not."""
@@ -113,7 +113,7 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> Tensor:
     tokens = logits.argmax(-1)
     sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
     for ranked in (False, True):
-        rows = [i for i in sampled if _ranks_tokens(seqs[i].request.params) == ranked]
+        rows = [i for i in sampled if _ranks_tokens(seqs[i].request.params, logits.shape[-1]) == ranked]
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             sub = [seqs[i] for i in rows]

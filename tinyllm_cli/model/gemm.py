@@ -15,16 +15,18 @@ Invariants:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-GEMMS = ("auto", "onednn", "torch")
 # oneDNN's reorder takes an expected row count; any hint >= 16 gave the same speed from 1 to
 # 1536 rows, while a hint of 1 was up to 2x slower at 16-32 rows.
 _ROWS_HINT = 128
 
 
+@lru_cache(maxsize=None)  # the answer cannot change within a process; load_runtime and build_model both ask
 def onednn_usable(dtype: torch.dtype, device: torch.device) -> bool:
     """True when pre-packed oneDNN linears exist here and give F.linear's answer."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
@@ -67,12 +69,9 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` with a ``PackedLinear``; returns how many."""
-    count = 0
+def pack_linears(model: nn.Module) -> None:
+    """Replace every ``nn.Linear`` in ``model`` with a ``PackedLinear``."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child.weight, child.bias))
-                count += 1
-    return count
