@@ -136,6 +136,14 @@ def _max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
+def _assert_weights_exact(ck, expected: dict[str, torch.Tensor]) -> None:
+    """Every expected tensor loads as float32 with exactly the expected values."""
+    for name, want in expected.items():
+        got = ck.weights[name]
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        assert torch.equal(got, want), f"{name}: max diff {(got - want).abs().max().item():.3g}"
+
+
 def _check_common(ck, cfg, names: set[str]) -> None:
     c = ck.config
     assert ck.tokenizer is None  # no tokenizer.ggml.* metadata in the file
@@ -255,10 +263,7 @@ def test_quantized_gguf_loads_what_the_file_holds(qtype, hf_ref, f32_logits, tmp
 
     ck = load_checkpoint(str(path), progress=False)
     _check_common(ck, cfg, set(state))
-    for name, want in expected.items():
-        got = ck.weights[name]
-        assert got.dtype == torch.float32 and got.shape == want.shape, name
-        assert torch.equal(got, want), f"{name}: max diff {(got - want).abs().max().item():.3g}"
+    _assert_weights_exact(ck, expected)
     # The quantization actually changed something (otherwise this would be test 1 again).
     if qtype != QT.F16:
         assert not torch.equal(ck.weights["model.layers.0.self_attn.q_proj.weight"],
@@ -366,10 +371,7 @@ def test_k_quant_gguf_loads_ggufs_own_dequantization(qtype, k_cfg, tmp_path):
 
     ck = load_checkpoint(str(path), progress=False)
     _check_common(ck, cfg, set(expected))
-    for name, want in expected.items():
-        got = ck.weights[name]
-        assert got.dtype == torch.float32 and got.shape == want.shape, name
-        assert torch.equal(got, want), f"{name}: max diff {(got - want).abs().max().item():.3g}"
+    _assert_weights_exact(ck, expected)
 
     prompts = _prompts(v)
     ours = _our_logits(ck, prompts)

@@ -42,16 +42,22 @@ SAMPLING_KEYS = SamplingParams.field_names()
 ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 
 
+def existing_file(path: str, what: str) -> Path:
+    """``path`` as a Path, or a one-sentence usage error naming ``what`` when it is missing or a directory."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{what} {path!r} does not exist")
+    if p.is_dir():
+        raise UsageError(f"{what} {path!r} is a directory, not a file")
+    return p
+
+
 def check_prompt_file(path: str) -> int | None:
     """Fail early (exit 2) on a file that is missing, a directory, or not UTF-8; in the same
     single pass, count its non-blank lines (for a progress bar with a real ETA; None for stdin)."""
     if path == "-":
         return None
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"prompts file {path!r} does not exist")
-    if p.is_dir():
-        raise UsageError(f"prompts file {path!r} is a directory, not a file")
+    p = existing_file(path, "prompts file")
     count, offset = 0, 0
     try:
         with p.open("rb") as f:

@@ -45,7 +45,7 @@ from .commands import write_stats_file
 from .config import Config
 from .engine.request import Request, RequestOutput
 from .errors import Interrupted, TinyLLMError, UsageError
-from .io import RequestBuilder, ResultFile, open_output
+from .io import RequestBuilder, ResultFile, existing_file, open_output
 from .report import run_table, stderr_console
 from .runtime import load_runtime, make_engine
 
@@ -243,11 +243,7 @@ def open_input(path: str) -> BinaryIO | None:
     """The input file opened for binary reading; None for stdin (read by file descriptor)."""
     if path == "-":
         return None
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"input file {path!r} does not exist")
-    if p.is_dir():
-        raise UsageError(f"input path {path!r} is a directory, not a file")
+    p = existing_file(path, "input file")
     try:
         return p.open("rb")
     except OSError as e:
