@@ -279,17 +279,14 @@ def reference_table(refs: dict, rows: list[dict]):
                   f"{h['total_tokens_per_s']:.1f} total tok/s ({h['elapsed_s']:.2f} s)",
                   "  ".join(f"{l}: {r['vs_hf']:.2f}x" for l, r in zip(label, rows)))
         t.add_row("greedy outputs identical to tinyllm", f"{h['greedy_match']} / {h['num_prompts']}", "")
-    if "roofline" in refs:
-        f = refs["roofline"]
-        t.add_row(f"GEMM roofline, engine's {f['gemm']} path ({f['gemm_rows']} rows, model shapes)",
-                  f"{f['gemm_gflops']:.0f} GFLOP/s = {f['roofline_tokens_per_s']:.0f} tok/s",
-                  "  ".join(f"{l}: {r['roofline_frac']:.0%}" for l, r in zip(label, rows)))
-    if "roofline_torch" in refs:
-        f = refs["roofline_torch"]
-        t.add_row(f"GEMM rate of plain F.linear ({f['gemm_rows']} rows)",
-                  f"{f['gemm_gflops']:.0f} GFLOP/s = {f['roofline_tokens_per_s']:.0f} tok/s",
-                  "  ".join(f"{l}: {r['total_tokens_per_s'] / f['roofline_tokens_per_s']:.0%}"
-                            for l, r in zip(label, rows)))
+    names = {"roofline": "GEMM roofline, engine's {gemm} path ({gemm_rows} rows, model shapes)",
+             "roofline_torch": "GEMM rate of plain F.linear ({gemm_rows} rows)"}
+    for key, name in names.items():
+        if key in refs:
+            f = refs[key]
+            t.add_row(name.format(**f), f"{f['gemm_gflops']:.0f} GFLOP/s = {f['roofline_tokens_per_s']:.0f} tok/s",
+                      "  ".join(f"{l}: {r['total_tokens_per_s'] / f['roofline_tokens_per_s']:.0%}"
+                                for l, r in zip(label, rows)))
     return t
 
 
