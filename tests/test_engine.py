@@ -203,3 +203,49 @@ def test_repetition_penalty_changes_greedy(tiny_model):
     plain, penalised = gen(1.0), gen(3.0)
     assert plain == reference_greedy(tiny_model, prompt, 30)
     assert penalised != plain and len(set(penalised)) > len(set(plain))
+
+
+def _poisoned(cache):
+    """Pools are allocated uninitialised; fill every slot but the scratch ones with NaN, the
+    worst garbage memory can hold, so any read of a slot before it is written shows up."""
+    for pool in (cache.k, cache.v):
+        pool[:, : cache.scratch_slot].fill_(float("nan"))
+    return cache
+
+
+@pytest.mark.parametrize("case", ["preempt", "chunked", "prefix", "slot"])
+def test_unwritten_slots_are_never_read(tiny_model, workload, case):
+    reqs, refs = workload
+    cfg, f32 = tiny_model.cfg, torch.float32
+    longest = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in reqs)
+    if case == "preempt":
+        cache, kw = PagedKVCache(cfg, longest // 4 + 2, 4, f32, "cpu"), {"max_num_seqs": 7}
+    elif case == "chunked":
+        cache, kw = PagedKVCache(cfg, 512, 4, f32, "cpu"), {"max_num_seqs": 4, "max_prefill_tokens": 5}
+    elif case == "prefix":  # repeated prompts hit cached blocks
+        reqs = reqs + [Request(f"r{r.id}", r.prompt_token_ids, r.params, index=len(reqs) + i)
+                       for i, r in enumerate(reqs)]
+        refs = refs + refs
+        cache, kw = PagedKVCache(cfg, 512, 4, f32, "cpu", prefix_caching=True), {"max_num_seqs": 3}
+    else:
+        cache, kw = SlotKVCache(cfg, 3, 128, f32, "cpu"), {"max_num_seqs": 8}
+    outs, eng = run(tiny_model, _poisoned(cache), reqs, **kw)
+    assert [o.token_ids for o in outs] == refs
+    s = eng.stats.summary()
+    if case == "preempt":
+        assert s["preemptions"] >= 3
+    if case == "prefix":
+        assert s["prefix_cache_hits"] > 0
+
+
+def test_scratch_slots_are_zeroed_even_on_reused_memory(tiny_model):
+    # Free a NaN-filled buffer of the pools' size first, so the allocator likely hands its memory
+    # back to the pools: the scratch slots must still come out zero (and finite).
+    shape = (tiny_model.cfg.num_layers, 8 * 4 + 4, tiny_model.cfg.num_kv_heads, tiny_model.cfg.head_dim)
+    for _ in range(3):
+        garbage = [torch.full(shape, float("nan")) for _ in range(2)]
+        del garbage
+        cache = PagedKVCache(tiny_model.cfg, 8, 4, torch.float32, "cpu")
+        for pool in (cache.k, cache.v):
+            assert pool.shape == shape
+            assert torch.equal(pool[:, cache.scratch_slot:], torch.zeros_like(pool[:, cache.scratch_slot:]))
