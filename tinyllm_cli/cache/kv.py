@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.llama import ModelConfig
+from ..transfer import to_device
 from .allocator import BlockPool
 from .attention import PrefillSegment, StepAttention
 
@@ -265,14 +266,14 @@ class PagedKVCache:
             self.lens[s] = start + n
             gather = None
             if start > 0:
-                gather = torch.tensor(self.slots(s, 0, start + n), device=self.device)
+                gather = to_device(self.slots(s, 0, start + n), self.device)
             segments.append(PrefillSegment(row, n, start, gather))
             row += n
         decode_idx = decode_mask = None
         if decode:
             decode_idx, decode_mask = self._decode_index([self.tables[s] for s in decode],
                                                          [self.lens[s] for s in decode])
-        mapping = torch.tensor(slot_mapping, dtype=torch.long).to(self.device, non_blocking=True)
+        mapping = to_device(slot_mapping, self.device)
         return StepAttention(list(self.k), list(self.v), mapping, len(decode), decode_idx,
                              decode_mask, segments)
 
@@ -280,9 +281,8 @@ class PagedKVCache:
         """Flat slot of every (row, position) up to the longest row, padded with scratch."""
         bs, nb = self.block_size, max(len(t) for t in tables)
         pad = self.num_blocks  # the scratch block id
-        table = torch.tensor([t + [pad] * (nb - len(t)) for t in tables], dtype=torch.long)
-        lens_t = torch.tensor(lens, dtype=torch.long)
-        table, lens_t = table.to(self.device, non_blocking=True), lens_t.to(self.device, non_blocking=True)
+        table = to_device([t + [pad] * (nb - len(t)) for t in tables], self.device)
+        lens_t = to_device(lens, self.device)
         longest = max(lens)
         pos = torch.arange(longest, device=self.device)
         idx = table[:, pos // bs] * bs + pos % bs

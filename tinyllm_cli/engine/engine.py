@@ -22,6 +22,7 @@ import torch
 from ..cache.kv import PagedKVCache
 from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
+from ..transfer import to_device
 from . import sampler
 from .request import Request, RequestOutput, Sequence, Status
 from .scheduler import Plan, Scheduler
@@ -155,9 +156,8 @@ class LLMEngine:
                 samplers.append(s)
         attn = self.cache.plan_step([s.seq_id for s in plan.decode],
                                     [(s.seq_id, start, n) for s, start, n in plan.prefill])
-        as_long = dict(dtype=torch.long, device=self.model.device)
-        return (samplers, torch.tensor(ids, **as_long), torch.tensor(pos, **as_long),
-                torch.tensor(logit_rows, **as_long), attn)
+        dev = self.model.device
+        return samplers, to_device(ids, dev), to_device(pos, dev), to_device(logit_rows, dev), attn
 
     def _advance(self, plan: Plan) -> None:
         for s in plan.decode:

@@ -7,7 +7,9 @@ Invariants:
   Sampling uses the exponential race: ``argmax(p / E)``, with ``E ~ Exp(1)`` from that generator.
 - Filtering order follows transformers / vLLM: repetition penalty, temperature, top-k, top-p, min-p.
 - One host sync per step: the caller's ``.tolist()`` on the returned tokens (on CPU, the top-p
-  candidate check reads a few floats back too, which costs nothing there).
+  candidate check reads a few floats back too, which costs nothing there). Decisions are taken
+  from the request parameters on the host, never from device values, and parameter tensors go
+  to the device through ``to_device`` (no blocking copy).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..transfer import to_device
 from .request import Sequence
 
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, index) pairs over seeds
@@ -29,7 +32,7 @@ def apply_repetition_penalty(logits: Tensor, seqs: list[Sequence]) -> None:
     for i, s in enumerate(seqs):
         p = s.request.params.repetition_penalty
         if p != 1.0:
-            ids = torch.tensor(sorted(set(s.tokens)), device=logits.device)
+            ids = to_device(sorted(set(s.tokens)), logits.device)
             vals = logits[i, ids]
             logits[i, ids] = torch.where(vals > 0, vals / p, vals * p)
 
@@ -65,7 +68,7 @@ def filter_logits(logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, Tensor 
     probability of token ``ids[r, j]`` is ``probs[r, j]``; ``ids`` None means the whole
     vocabulary in order (no row has top-k or top-p)."""
     params = [s.request.params for s in seqs]
-    temp = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    temp = to_device([p.temperature for p in params], logits.device, torch.float32)[:, None]
     logits = logits / temp
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -75,7 +78,7 @@ def filter_logits(logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, Tensor 
         full_lse = logits.logsumexp(-1)
         logits, ids = _ranked(logits, params)
         ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        top_k_t = torch.tensor(top_k, device=logits.device)
+        top_k_t = to_device(top_k, logits.device)
         drop = ranks >= top_k_t[:, None]
         # top-p's mass is over the top-k survivors, or over the whole vocabulary when there is no
         # top-k: so normalise by the full vocabulary's sum there, not by the candidates'.
@@ -84,11 +87,11 @@ def filter_logits(logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, Tensor 
         probs = (masked - norm[:, None]).exp()
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         before = probs.cumsum(-1) - probs
-        drop |= before >= torch.tensor(top_p, device=logits.device)[:, None]
+        drop |= before >= to_device(top_p, logits.device, torch.float32)[:, None]
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)
-    min_p = torch.tensor([p.min_p for p in params], device=logits.device)[:, None]
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = to_device([p.min_p for p in params], logits.device, torch.float32)[:, None]
         probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs, ids
 
@@ -115,7 +118,7 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> Tensor:
     for ranked in (False, True):
         rows = [i for i in sampled if _ranks_tokens(seqs[i].request.params, logits.shape[-1]) == ranked]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
+            idx = to_device(rows, logits.device)
             sub = [seqs[i] for i in rows]
             probs, ids = filter_logits(logits[idx], sub)
             tokens[idx] = draw(probs, ids, sub, logits.shape[-1])
