@@ -89,3 +89,12 @@ def test_no_blocking_sync_on_cuda(llama_dir):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert steps > 3
+
+
+def test_to_device_on_cuda_is_pinned_and_exact():
+    from tinyllm_cli.transfer import to_device
+
+    for _ in range(50):  # host blocks are recycled: values must survive reuse
+        values = torch.randint(0, 1 << 40, (1000,)).tolist()
+        t = to_device(values, CUDA)
+        assert t.device.type == "cuda" and t.tolist() == values
