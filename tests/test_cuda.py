@@ -20,7 +20,7 @@ from tinyllm_cli.model.checkpoint import load_checkpoint
 from tinyllm_cli.model.llama import build_model
 
 from test_engine import make_requests, reference_greedy
-from test_host_sync import _requests
+from test_host_sync import mixed_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = "cuda"
@@ -73,7 +73,7 @@ def test_no_blocking_sync_on_cuda(llama_dir):
     model = _model(llama_dir, torch.bfloat16)
     cache = PagedKVCache(model.cfg, 64, 4, torch.bfloat16, CUDA)
     eng = LLMEngine(model, cache, None, max_num_seqs=4, max_prefill_tokens=16)
-    for r in _requests():
+    for r in mixed_requests():
         eng.add_request(r)
     eng.step()  # first-call set-up (cuBLAS handles, generators) may synchronise
     steps = 0

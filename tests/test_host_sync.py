@@ -14,7 +14,7 @@ from tinyllm_cli.engine.request import Request, SamplingParams
 READBACKS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
 
-def _requests(n=6):
+def mixed_requests(n=6):
     """Greedy rows and sampled rows with every filter that does not rank tokens (top-k / top-p
     rank, and on CPU only they read the candidates' mass back on purpose: see sampler.py)."""
     kinds = [dict(), dict(temperature=0.8, seed=1), dict(temperature=1.2, min_p=0.05, seed=2),
@@ -35,7 +35,7 @@ def test_one_readback_per_step(tiny_model, monkeypatch):
             calls.append(_name)
             return _original(self, *a, **kw)
         monkeypatch.setattr(torch.Tensor, name, counted)
-    for r in _requests():
+    for r in mixed_requests():
         eng.add_request(r)
     steps = 0
     while eng.has_unfinished():
