@@ -11,7 +11,8 @@ Invariants:
   own token and a prefill chunk sees itself.
 - Gather indices past a row's length point at the scratch slot, which no sequence owns; the
   additive mask hides them, so padding never changes a result.
-- Nothing here syncs with the device: indices were built once per step, before the first layer.
+- Nothing here syncs with the device: indices and masks were built once per step, before the
+  first layer, and every layer reuses them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ class PrefillSegment:
     n: int
     start: int
     gather_idx: Tensor | None  # flat slots of positions [0, start + n) when start > 0
+    mask: Tensor | None = None  # [n, start + n] bool, causal from position ``start``, when start > 0
+
+
+def chunk_mask(start: int, n: int, device) -> Tensor:
+    """Causal mask of queries at positions [start, start+n) over keys [0, start+n)."""
+    qpos = torch.arange(start, start + n, device=device)
+    return torch.arange(start + n, device=device)[None, :] <= qpos[:, None]
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -46,17 +54,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     return out.reshape(b, h, d)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int = 0) -> Tensor:
-    """One sequence: q [n, H, D] at positions [start, start+n); k, v [start+n, Hkv, D]."""
-    n, h, _ = q.shape
-    s, hkv = k.shape[0], k.shape[1]
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """One sequence: q [n, H, D]; k, v [s, Hkv, D]. Without ``mask`` the queries are the whole
+    sequence (s == n, plain causal); with it (``chunk_mask``) they follow s - n cached tokens."""
+    h, hkv = q.shape[1], k.shape[1]
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = hkv != h  # SDPA maps query heads onto K/V heads itself: no repeated copies of K/V
-    if start == 0:
+    if mask is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=gqa)
     else:
-        qpos = torch.arange(start, start + n, device=q.device)
-        mask = torch.arange(s, device=q.device)[None, :] <= qpos[:, None]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
@@ -98,7 +104,7 @@ class StepAttention:
                 outs.append(causal_attention(q[rows], k[rows], v[rows]))
             else:
                 kc, vc = kp.index_select(0, seg.gather_idx), vp.index_select(0, seg.gather_idx)
-                outs.append(causal_attention(q[rows], kc, vc, seg.start))
+                outs.append(causal_attention(q[rows], kc, vc, seg.mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -33,7 +33,7 @@ import torch
 from ..model.llama import ModelConfig
 from ..transfer import to_device
 from .allocator import BlockPool
-from .attention import PrefillSegment, StepAttention
+from .attention import PrefillSegment, StepAttention, chunk_mask
 
 
 class CacheError(ValueError):
@@ -264,10 +264,11 @@ class PagedKVCache:
         for s, start, n in prefill:
             slot_mapping += self.slots(s, start, n)
             self.lens[s] = start + n
-            gather = None
+            gather = mask = None
             if start > 0:
                 gather = to_device(self.slots(s, 0, start + n), self.device)
-            segments.append(PrefillSegment(row, n, start, gather))
+                mask = chunk_mask(start, n, self.device)
+            segments.append(PrefillSegment(row, n, start, gather, mask))
             row += n
         decode_idx = decode_mask = None
         if decode:
