@@ -19,16 +19,16 @@ from tinyllm_cli.engine.engine import LLMEngine
 from tinyllm_cli.model.checkpoint import load_checkpoint
 from tinyllm_cli.model.llama import build_model
 
-from test_engine import make_requests, reference_greedy
+from test_engine import make_requests, preempting_blocks, reference_greedy
 from test_host_sync import mixed_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = "cuda"
 
 
-def _model(path, dtype=torch.float32, device=CUDA):
+def _model(path, dtype=torch.float32):
     ck = load_checkpoint(str(path), progress=False)
-    return build_model(ck.config, ck.weights, dtype, device)
+    return build_model(ck.config, ck.weights, dtype, CUDA)
 
 
 def test_logits_match_transformers_on_cuda(llama_dir):
@@ -51,8 +51,7 @@ def test_engine_matches_no_cache_reference_on_cuda(llama_dir, tiny_model, kind):
     reqs = make_requests()
     refs = [reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens) for r in reqs]
     if kind == "paged":
-        longest = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in reqs)
-        cache = PagedKVCache(model.cfg, longest // 4 + 2, 4, torch.float32, CUDA)  # forces preemption
+        cache = PagedKVCache(model.cfg, preempting_blocks(reqs), 4, torch.float32, CUDA)
     else:
         cache = SlotKVCache(model.cfg, 3, 128, torch.float32, CUDA)
     eng = LLMEngine(model, cache, None, max_num_seqs=7, max_prefill_tokens=16)

@@ -38,6 +38,12 @@ def make_requests(n=7, seed=0, vocab=320, lens=(3, 40), new=(4, 24), **params):
     return reqs
 
 
+def preempting_blocks(reqs, block_size: int = 4) -> int:
+    """A pool size where any one request fits alone, far from all of them together."""
+    longest = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in reqs)
+    return longest // block_size + 2
+
+
 def run(model, cache, reqs, **kw):
     eng = LLMEngine(model, cache, None, **kw)
     outs = sorted(eng.run(reqs), key=lambda o: o.index)
@@ -83,8 +89,7 @@ def test_staggered_finishes_stream_out_early(tiny_model, workload):
 
 def test_preemption_keeps_outputs_identical(tiny_model, workload):
     reqs, refs = workload
-    longest = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in reqs)
-    num_blocks = longest // 4 + 2  # any one request fits alone, far from all of them together
+    num_blocks = preempting_blocks(reqs)
     cache = PagedKVCache(tiny_model.cfg, num_blocks, 4, torch.float32, "cpu")
     outs, eng = run(tiny_model, cache, reqs, max_num_seqs=7)
     assert [o.token_ids for o in outs] == refs
@@ -217,9 +222,8 @@ def _poisoned(cache):
 def test_unwritten_slots_are_never_read(tiny_model, workload, case):
     reqs, refs = workload
     cfg, f32 = tiny_model.cfg, torch.float32
-    longest = max(len(r.prompt_token_ids) + r.params.max_new_tokens for r in reqs)
     if case == "preempt":
-        cache, kw = PagedKVCache(cfg, longest // 4 + 2, 4, f32, "cpu"), {"max_num_seqs": 7}
+        cache, kw = PagedKVCache(cfg, preempting_blocks(reqs), 4, f32, "cpu"), {"max_num_seqs": 7}
     elif case == "chunked":
         cache, kw = PagedKVCache(cfg, 512, 4, f32, "cpu"), {"max_num_seqs": 4, "max_prefill_tokens": 5}
     elif case == "prefix":  # repeated prompts hit cached blocks
