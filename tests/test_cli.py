@@ -111,7 +111,7 @@ def test_resume_appends_only_missing(capsys, llama_dir, id_prompts, tmp_path):
     ("sampling: {temperature: [1\n", "not valid YAML"),
     ("modle: default\n", "did you mean 'model'"),
     ("cache:\n  kind: ring\n", "paged"),
-    ("cache:\n  num_blocks: 2\n", "max_num_seqs"),
+    ("cache:\n  num_blocks: 2\nscheduler:\n  max_num_seqs: 4\n", "max_num_seqs"),
 ])
 def test_config_errors_exit_2_with_one_sentence(capsys, tmp_path, yaml_text, needle):
     cfg = tmp_path / "c.yaml"

@@ -191,7 +191,8 @@ def timed_rows(spec: BenchSpec, cfg: Config, rt: Runtime, budget: int, workload,
     return rows, first_tokens
 
 
-def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path | None, quiet: bool) -> int:
+def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path | None, quiet: bool,
+              plot: Path | None = None) -> int:
     rt = load_runtime(cfg, progress=not quiet)
     workload = prompts_from_file(spec.prompts, rt, cfg, spec.chat) if spec.prompts else random_workload(spec, rt)
     budget = kv_budget(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, block_size=spec.block_sizes[0])),
@@ -203,6 +204,9 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
     if spec.profile:
         refs["profile"] = profile_first(spec, cfg, rt, budget, workload)
     write_rows(rows, json_out, csv_out)
+    if plot is not None:
+        from .plot import draw
+        draw("bench", rows, plot)
     if not quiet:
         title = (f"tinyllm bench · {rt.describe()} · {len(workload)} prompts, "
                  f"~{rows[0]['mean_input_len']:.0f} in / {spec.output_len} out · KV {budget / 2**20:.0f} MiB"

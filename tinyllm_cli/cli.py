@@ -21,6 +21,27 @@ from .errors import Interrupted, TinyLLMError, UsageError, shield
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch generation and KV-cache experiments with small Llama-family models.")
 
+def package_version() -> str:
+    """The installed distribution's version; a source tree that was never installed has none."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("tinyllm")
+    except PackageNotFoundError:
+        return "unknown (not installed; pip install -e . records it)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"tinyllm {package_version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                help="Print the installed version and exit.")] = False):
+    pass
+
+
 # ---- options shared by every command that runs the engine ------------------------------------
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file (defaults are built in).")]
@@ -49,6 +70,7 @@ ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Wrap plain prompts 
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 StatsOpt = Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")]
+PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Draw the results into FILE.png or FILE.svg (needs tinyllm[plot]).")]
 
 
 def overrides(**kw) -> dict:
@@ -141,18 +163,20 @@ def bench(
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     gemm: GemmOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
     max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
-    quiet: QuietOpt = False, debug: DebugOpt = False,
+    quiet: QuietOpt = False, debug: DebugOpt = False, plot: PlotOpt = None,
 ):
     """Run one seeded workload per cache kind x block size at equal KV memory; one row each."""
     from .bench import BenchSpec, run_bench
     from .config import load_config
+    from .plot import prepare
+    prepare(plot)
     cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, num_blocks=num_blocks,
                                          kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens))
     spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
                            bench_seed, warmup, chat, cfg, prefix_len, num_prefixes, prefix_modes, baseline, roofline,
                            profile, repeat)
-    raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet))
+    raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet, plot))
 
 
 # ---- inspect-blocks ------------------------------------------------------------------------
@@ -170,20 +194,36 @@ def inspect_blocks(
     gemm: GemmOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
     max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None, chat: ChatOpt = False,
     quiet: QuietOpt = False, debug: DebugOpt = False, prefix_cache: PrefixOpt = None,
-    max_prefill_tokens: PrefillOpt = None, stats_json: StatsOpt = None,
+    max_prefill_tokens: PrefillOpt = None, stats_json: StatsOpt = None, plot: PlotOpt = None,
 ):
     """Show the paged cache's block map, block tables, free list and timeline."""
     from .config import load_config
     from .inspect_blocks import run_inspect
-    if num_blocks is None and kv_memory is None:
-        num_blocks = 64  # a pool small enough to read as a map (and to see preemption)
+    from .plot import prepare
+    prepare(plot)
     cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, block_size=block_size,
                                          num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, cache="paged", ignore_eos=True,
                                          max_new_tokens=output_len, prefix_cache=prefix_cache,
-                                         max_prefill_tokens=max_prefill_tokens))
+                                         max_prefill_tokens=max_prefill_tokens),
+                      # a pool small enough to read as a map (and to see preemption), unless sized by the user
+                      command_defaults={"cache.num_blocks": 64})
     raise typer.Exit(run_inspect(cfg, prompts, num_prompts, input_len, output_len, range_ratio, at,
-                                 json_out, chat, quiet, stats_json))
+                                 json_out, chat, quiet, stats_json, plot))
+
+
+# ---- plot ----------------------------------------------------------------------------------
+
+@app.command("plot")
+def plot_command(
+    stats: Annotated[Path, typer.Argument(help="A saved JSON: bench --json, inspect-blocks --json or a --stats-json run.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="FILE.png or FILE.svg.")],
+    debug: DebugOpt = False,
+):
+    """Draw a saved bench, inspect-blocks or run JSON again, without rerunning anything."""
+    from .plot import plot_saved
+    kind = plot_saved(stats, output)
+    print(f"drew {kind} stats from {stats} into {output}", file=sys.stderr)
 
 
 # ---- entry point ---------------------------------------------------------------------------

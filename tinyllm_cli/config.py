@@ -5,6 +5,9 @@ Invariants:
 - Loading validates everything before anything is built: an unknown key, a wrong type or an
   out-of-range value is a ``UsageError`` naming the key, its line in the file, and for unknown
   keys the closest valid one. Nothing is loaded or run after such an error.
+- A value the user set (in the file or by a flag) is never changed. A default may adapt to one
+  the user set (``max_num_seqs`` shrinks to a small ``num_blocks``); two values the user set
+  that contradict each other are an error.
 """
 
 from __future__ import annotations
@@ -152,8 +155,15 @@ def _note(nodes: dict, dotted: str, node, p: Path) -> None:
     nodes[dotted] = node
 
 
-def build_config(data: dict, nodes: dict | None = None, overrides: dict | None = None) -> Config:
-    """Validate ``data`` (from YAML) and apply ``overrides`` ({"cache.block_size": 32, ...})."""
+# A command's own default for a key does not apply when the user set a key that competes with it.
+COMPETING = {"cache.num_blocks": ("cache.kv_memory",)}
+
+
+def build_config(data: dict, nodes: dict | None = None, overrides: dict | None = None,
+                 command_defaults: dict | None = None) -> Config:
+    """Validate ``data`` (from YAML) and apply ``overrides`` ({"cache.block_size": 32, ...}).
+    ``command_defaults`` replace built-in defaults for one command (inspect-blocks' small pool);
+    they count as defaults, not as values the user set."""
     nodes = nodes or {}
     if not isinstance(data, dict):
         raise UsageError("a config must be a mapping of sections (model, cache, ...)")
@@ -177,8 +187,27 @@ def build_config(data: dict, nodes: dict | None = None, overrides: dict | None =
     for dotted, value in (overrides or {}).items():
         if value is not None:
             _set(cfg, dotted, value, None, from_flag=True, origins=origins)
+    user_set = set(origins)
+    for dotted, value in (command_defaults or {}).items():
+        if not {dotted, *COMPETING.get(dotted, ())} & user_set:
+            _set(cfg, dotted, value, None)
+            origins[dotted] = " (this command's default)"
+    adapt_defaults(cfg, user_set)
     validate(cfg, origins)
     return cfg
+
+
+def adapt_defaults(cfg: Config, user_set: set[str]) -> None:
+    """A paged pool needs a block per running sequence. When the pool has fewer blocks than
+    ``max_num_seqs``, whichever of the two the user did not set gives way (``validate`` refuses
+    the pair only when the user set both)."""
+    c, s = cfg.cache, cfg.scheduler
+    if c.kind != "paged" or c.num_blocks is None or not 0 < c.num_blocks < s.max_num_seqs:
+        return  # (a non-positive num_blocks is validate's to refuse, as itself)
+    if "scheduler.max_num_seqs" not in user_set:
+        s.max_num_seqs = c.num_blocks
+    elif "cache.num_blocks" not in user_set:
+        c.num_blocks = s.max_num_seqs
 
 
 def _set(cfg: Config, dotted: str, value, node, from_flag: bool = False, origins: dict | None = None) -> None:
@@ -246,9 +275,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         raise UsageError(f"config key {dotted!r}{at(dotted, '')}: {e}")
 
 
-def load_config(path: str | Path | None, overrides: dict | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: dict | None = None,
+                command_defaults: dict | None = None) -> Config:
     data, nodes = load_yaml(path) if path else ({}, {})
-    return build_config(data, nodes, overrides)
+    return build_config(data, nodes, overrides, command_defaults)
 
 
 def to_dict(cfg: Config) -> dict:

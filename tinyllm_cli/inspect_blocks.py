@@ -15,7 +15,7 @@ from .commands import write_stats_file
 from .config import Config
 from .errors import TinyLLMError, UsageError
 from .io import check_prompt_file
-from .report import block_map, marks_line, run_table, sparkline, stderr_console
+from .report import block_map, marks_line, moment, run_table, sparkline, stderr_console
 from .runtime import load_runtime, make_engine
 
 
@@ -61,14 +61,17 @@ def snapshot(engine, step: int) -> dict:
 
 
 class Recorder:
-    """Engine observer that keeps the snapshot asked for (peak, end, or step N)."""
+    """Engine observer that keeps the snapshot asked for (peak, end, or step N).
+
+    ``peak`` is the first step at which blocks used (held by sequences; cached free blocks do not
+    count) reach their maximum: the figure the run table reports as "peak blocks used"."""
 
     def __init__(self, at: str | int):
         self.at, self.snap, self.best = at, None, -1
 
     def __call__(self, engine, plan) -> None:
         step = engine._step
-        used = engine.cache.allocator.num_used
+        used = engine.cache.usage().blocks_used  # what the step's StepRecord holds
         if self.at == "peak" and used > self.best:
             self.best, self.snap = used, snapshot(engine, step)
         elif self.at == "end" and engine.cache.tables:
@@ -79,7 +82,7 @@ class Recorder:
 
 def run_inspect(cfg: Config, prompts: str | None, num_prompts: int, input_len: int, output_len: int,
                 range_ratio: float, at: str, json_out: Path | None, chat: bool, quiet: bool,
-                stats_json: Path | None = None) -> int:
+                stats_json: Path | None = None, plot: Path | None = None) -> int:
     when = parse_at(at)
     if prompts:
         check_prompt_file(prompts)
@@ -105,6 +108,9 @@ def run_inspect(cfg: Config, prompts: str | None, num_prompts: int, input_len: i
             sys.stdout.write(text) if str(json_out) == "-" else json_out.write_text(text)
         except OSError as e:
             raise TinyLLMError(f"cannot write {json_out}: {e.strerror}")
+    if plot is not None:
+        from .plot import draw
+        draw("inspect", report, plot)
     if not quiet:
         render(report)
     return 0
@@ -113,7 +119,7 @@ def run_inspect(cfg: Config, prompts: str | None, num_prompts: int, input_len: i
 def render(report: dict) -> None:
     con = stderr_console()
     snap, steps = report["snapshot"], report["timeline"]
-    con.rule(f"block map at step {snap['step']} ({report['at']}): {snap['blocks_used']} used, "
+    con.rule(f"block map at step {snap['step']} ({moment(report['at'], snap)}): {snap['blocks_used']} used, "
              f"{snap['blocks_free']} free of {snap['num_blocks']} x {snap['block_size']} tokens, "
              f"utilization {snap['utilization']:.1%}")
     con.print(block_map(snap["owner"] + [-1], snap["refs"] + [0], set(snap["cached_free"])))

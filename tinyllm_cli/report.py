@@ -113,6 +113,15 @@ PALETTE = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "b
 CELL = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRTUVWXYZ"  # no 'S': that is scratch
 
 
+def moment(at: str, snap: dict) -> str:
+    """Which moment an inspect-blocks snapshot shows, in words (map titles, here and in plots)."""
+    if at == "peak":
+        return f"first step at peak blocks used, {snap['blocks_used']} of {snap['num_blocks']}"
+    if at == "end":
+        return "last step with sequences running"
+    return "as asked"
+
+
 def block_map(owner: list[int | None], refs: list[int] | None = None, cached: set[int] = frozenset(),
               width: int = 64) -> Text:
     """One cell per physical block, a character and colour per owning sequence (seq id mod 61),

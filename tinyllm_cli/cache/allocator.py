@@ -79,6 +79,7 @@ class BlockPool:
         self.by_hash: dict[int, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.shared_extra = 0  # sum over blocks of max(0, ref - 1)
+        self.num_shared = 0  # blocks with ref > 1 (kept with shared_extra: a pool may be large)
         self.peak_active = 0
 
     @property
@@ -113,6 +114,7 @@ class BlockPool:
             self.ref[b] -= 1
             if self.ref[b] >= 1:
                 self.shared_extra -= 1
+                self.num_shared -= self.ref[b] == 1
             elif b in self.key_of:
                 self.evictable[b] = None  # most recently released at the end
             else:
@@ -124,6 +126,7 @@ class BlockPool:
             del self.evictable[b]
         else:
             self.shared_extra += 1
+            self.num_shared += self.ref[b] == 1
         self.ref[b] += 1
         self.peak_active = max(self.peak_active, self.num_active)
 

@@ -83,6 +83,7 @@ class CacheUsage:
     slots_allocated: int
     blocks_cached_free: int = 0
     shared_refs: int = 0  # extra references to shared blocks
+    blocks_shared: int = 0  # blocks held by more than one sequence (part of blocks_used)
 
     @property
     def wasted_slots(self) -> int:
@@ -298,7 +299,7 @@ class PagedKVCache:
         used = self.pool.num_active
         stored = sum(self.lens.values()) - self.pool.shared_extra * self.block_size
         return CacheUsage(used, self.pool.num_free, stored, used * self.block_size,
-                          len(self.pool.evictable), self.pool.shared_extra)
+                          len(self.pool.evictable), self.pool.shared_extra, self.pool.num_shared)
 
 
 class SlotKVCache(PagedKVCache):

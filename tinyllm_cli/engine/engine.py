@@ -234,5 +234,5 @@ class LLMEngine:
             self._step, round(time.perf_counter() - self.stats.start, 6), running,
             len(self.scheduler.waiting), u.blocks_used, u.blocks_free, u.tokens_stored, u.slots_allocated,
             sum(n for _, _, n in plan.prefill), len(plan.decode), n_pre, round(forward_s, 6),
-            u.shared_refs, u.blocks_cached_free))
+            u.shared_refs, u.blocks_cached_free, u.blocks_shared))
         self._step += 1

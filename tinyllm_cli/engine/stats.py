@@ -27,6 +27,7 @@ class StepRecord:
     forward_s: float
     shared_refs: int = 0  # extra references to shared (prefix-cached) blocks
     cached_free: int = 0  # free blocks that still hold a cached prefix
+    shared_blocks: int = 0  # blocks held by more than one sequence (counted once in blocks_used)
 
     @property
     def utilization(self) -> float:
