@@ -21,7 +21,7 @@ from .errors import TinyLLMError, UsageError
 
 INSTALL = 'pip install "tinyllm[plot]"'
 FORMATS = (".png", ".svg")
-FREE, CACHED_FREE, SHARED = "#f4f4f4", "#bdbdbd", "#222222"  # sequences take tab20's other colours
+FREE, CACHED_FREE, SHARED = "#e4e4e4", "#b0b0b0", "#222222"  # sequences take tab20's other colours
 
 
 def require_matplotlib():
@@ -280,7 +280,7 @@ def _block_map(ax, snap: dict, rows: int, cols: int) -> None:
     from matplotlib.patches import Patch
     n = snap["num_blocks"]
     cached = set(snap["cached_free"])
-    img = [[to_rgba("white")] * cols for _ in range(rows)]
+    img = [[(0.0, 0.0, 0.0, 0.0)] * cols for _ in range(rows)]  # cells past the pool stay blank
     for b in range(n):
         owner, refs = snap["owner"][b], snap["refs"][b]
         color = (FREE if owner is None and b not in cached else CACHED_FREE if owner is None

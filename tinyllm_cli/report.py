@@ -119,7 +119,7 @@ def moment(at: str, snap: dict) -> str:
         return f"first step at peak blocks used, {snap['blocks_used']} of {snap['num_blocks']}"
     if at == "end":
         return "last step with sequences running"
-    return "as asked"
+    return "asked for with --at"
 
 
 def block_map(owner: list[int | None], refs: list[int] | None = None, cached: set[int] = frozenset(),
