@@ -80,7 +80,7 @@ def _download(repo: str, rev: str | None, patterns: list[str], progress: bool, w
         raise CheckpointError(f"Hub repository {repo} has no revision {rev!r}")
     except hf.RepositoryNotFoundError:
         raise CheckpointError(f"Hub repository {repo} was not found (or it is private and no token was given)")
-    except hf.IncompleteSnapshotError as e:
+    except getattr(hf, "IncompleteSnapshotError", ()) as e:  # newer huggingface_hub only
         raise CheckpointError(f"the cached snapshot of {where} is incomplete and the Hub cannot be reached; "
                               f"run once with network access to finish the download") from e
     except hf.LocalEntryNotFoundError as e:
