@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import TinyLLMError
+from .model import hub
 from .model.checkpoint import default_model_path
 from .model.gemm import PackedLinear
 
@@ -30,6 +31,8 @@ def _hf_model(spec: str | None, dtype: torch.dtype, device: torch.device):
     except ImportError:
         raise TinyLLMError("--baseline hf needs transformers: pip install 'tinyllm[test]'")
     path = default_model_path() if spec in (None, "", "default") else Path(spec)
+    if not path.exists() and hub.is_hub_id(str(spec)):  # the snapshot tinyllm itself loaded
+        path = hub.resolve(str(spec), progress=False)
     kw = dict(dtype=dtype)
     if path.suffix.lower() == ".gguf":
         kw["gguf_file"] = path.name

@@ -45,7 +45,7 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_print_ver
 # ---- options shared by every command that runs the engine ------------------------------------
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file (defaults are built in).")]
-ModelOpt = Annotated[Optional[str], typer.Option(help="'default', a .gguf file or a Hugging Face model directory.")]
+ModelOpt = Annotated[Optional[str], typer.Option(help="'default', a .gguf file, a Hugging Face model directory or a Hub id ORG/NAME[@REVISION].")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
 GemmOpt = Annotated[Optional[str], typer.Option(help="Weight matmuls: auto (oneDNN with packed weights on CPU), onednn or torch.")]

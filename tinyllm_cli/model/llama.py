@@ -1,8 +1,9 @@
 """The Llama-family decoder, readable top to bottom (nanoGPT style).
 
-Covers Llama, Mistral, Qwen2 and SmolLM shapes: RMSNorm, rotary embeddings in the Hugging Face
-``rotate_half`` convention (with optional Llama-3 / linear ``rope_scaling``), grouped-query
-attention, a SwiGLU MLP, optional q/k/v bias, tied or separate output embedding.
+Covers Llama, Mistral, Qwen2, Qwen3 and SmolLM shapes: RMSNorm, rotary embeddings in the Hugging
+Face ``rotate_half`` convention (with optional Llama-3 / linear ``rope_scaling``, or llama.cpp's
+per-frequency factors), grouped-query attention, a SwiGLU MLP, optional q/k/v bias, optional
+per-head q/k RMSNorm before RoPE (Qwen3), tied or separate output embedding.
 
 Invariants:
 - Input is *packed*: ``input_ids`` and ``positions`` are flat ``[T]`` tensors holding the tokens of
@@ -49,6 +50,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     arch: str = "llama"
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -78,6 +80,13 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         return inv_freq.float()
     if kind == "linear":
         return (inv_freq / float(sc["factor"])).float()
+    if kind == "freq_factors":
+        # llama.cpp's rope_freqs tensor (how its converter stores Llama-3 scaling): one divisor
+        # per frequency, the same numbers the "llama3" branch below computes.
+        factors = torch.as_tensor(sc["factors"], dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors, the head needs {inv_freq.numel()}")
+        return (inv_freq / factors).float()
     if kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
         factor = float(sc["factor"])
@@ -116,6 +125,21 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class HeadNorm(RMSNorm):
+    """Qwen3's q_norm and k_norm as one op on the fused ``[T, q heads + kv heads, head_dim]`` view:
+    each head vector is RMS-normalised on its own, then scaled by its row of ``weight`` (the
+    q_norm weight repeated for every q head, then k_norm's for every kv head)."""
+
+    def __init__(self, heads: int, dim: int, eps: float):
+        super().__init__(dim, eps)
+        self.weight = nn.Parameter(torch.ones(heads, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, x.shape[-1:], None, self.eps).mul_(self.weight)
+        return super().forward(x)  # its reduced-precision path broadcasts the [heads, dim] weight
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -125,6 +149,7 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qk_norm = HeadNorm(self.n_heads + self.n_kv, d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.post_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.inter = cfg.intermediate_size
@@ -135,8 +160,11 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         qkv = self.qkv(self.input_norm(x))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.n_heads + self.n_kv, self.head_dim)
+        if self.qk_norm is not None:  # Qwen3 normalises each head before RoPE
+            qk = self.qk_norm(qk)
         # Q and K heads rotate together in one pass.
-        qk = apply_rope(qk.view(t, self.n_heads + self.n_kv, self.head_dim), cos, sin)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)
         v = v.view(t, self.n_kv, self.head_dim)
         o = attn.attend(self.index, q, k, v)
@@ -229,6 +257,10 @@ def fuse_weights(cfg: ModelConfig, w: dict[str, Tensor]) -> dict[str, Tensor]:
         out[f"layers.{i}.qkv.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
         if cfg.attention_bias:
             out[f"layers.{i}.qkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
+        if cfg.qk_norm:
+            d = cfg.head_dim
+            out[f"layers.{i}.qk_norm.weight"] = torch.cat([take(a + "q_norm.weight").expand(cfg.num_heads, d),
+                                                           take(a + "k_norm.weight").expand(cfg.num_kv_heads, d)])
         out[f"layers.{i}.o_proj.weight"] = take(a + "o_proj.weight")
         out[f"layers.{i}.input_norm.weight"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.post_norm.weight"] = take(p + "post_attention_layernorm.weight")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 # Split regexes of llama.cpp's pre-tokenizer types that differ from plain GPT-2.
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -32,6 +32,9 @@ _SPLITS = {"llama3": _LLAMA3, "llama-bpe": _LLAMA3, "llama-v3": _LLAMA3, "smaug-
 # Pre-tokenizers that are GPT-2's regex after splitting every digit on its own
 # (SmolLM's tokenizer.json: Digits(individual_digits) then ByteLevel; llama.cpp's "smollm").
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact"}
+# Qwen2/Qwen3's tokenizer.json NFC-normalises text before splitting (llama.cpp does not; we follow
+# the model's own tokenizer, which is what the vocabulary was trained on).
+_NFC = {"qwen2"}
 
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
@@ -57,6 +60,8 @@ def bpe_from_gguf(tokens: list[str], merges: list[str], token_types: list[int] |
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=False))
     tok.pre_tokenizer = _pre_tokenizer(pre)
+    if pre in _NFC:
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     types = token_types or []
     special = [AddedToken(tokens[i], special=True, normalized=False)
@@ -76,9 +81,12 @@ def _raise(message: str):
 
 class Tokenizer:
     def __init__(self, tok: HFTokenizer, *, bos_id: int | None, eos_ids: list[int],
-                 chat_template: str | None, add_bos: bool):
+                 chat_template: str | None, add_bos: bool, eos_token: str | None = None):
         self.tok = tok
         self.bos_id, self.eos_ids, self.add_bos = bos_id, eos_ids, add_bos
+        # What a chat template calls eos_token: the tokenizer's own (Llama-3: <|eot_id|>), which
+        # need not be the first of the ids generation stops on.
+        self.eos_token = eos_token if eos_token is not None else self.token(eos_ids[0]) if eos_ids else None
         self.chat_template = chat_template
         self._template = None
         if chat_template:
@@ -108,11 +116,9 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             raise TokenizerError("this model has no chat template; pass --raw or give a plain prompt")
-        def tok_str(i):
-            return self.tok.id_to_token(i) if i is not None else ""
+        bos = self.tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=tok_str(self.bos_id),
-                                     eos_token=tok_str(self.eos_ids[0] if self.eos_ids else None))
+                                     bos_token=bos or "", eos_token=self.eos_token or "")
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template writes its own special tokens; adding BOS again would double it.
@@ -147,8 +153,12 @@ class Tokenizer:
         eos = list(eos_ids)
         if tid("eos_token") is not None and tid("eos_token") not in eos:
             eos.append(tid("eos_token"))
-        return cls(tok, bos_id=bos, eos_ids=eos, chat_template=template,
-                   add_bos=bool(conf.get("add_bos_token", False)))
+        add_bos = conf.get("add_bos_token")
+        if add_bos is None:  # Llama-3: tokenizer.json's post-processor adds <|begin_of_text|>
+            add_bos = bos is not None and tok.encode("a", add_special_tokens=True).ids[:1] == [bos]
+        eos_token = tok.id_to_token(tid("eos_token")) if tid("eos_token") is not None else None
+        return cls(tok, bos_id=bos, eos_ids=eos, chat_template=template, add_bos=bool(add_bos),
+                   eos_token=eos_token)
 
 
 class TextStream:
