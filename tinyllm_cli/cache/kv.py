@@ -67,6 +67,15 @@ def token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    # MemAvailable counts reclaimable page cache too; free pages alone (SC_AVPHYS_PAGES) drop
+    # far below what can be had on a machine that has been reading files, refusing sane pools.
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
