@@ -49,6 +49,7 @@ ModelOpt = Annotated[Optional[str], typer.Option(help="'default', a .gguf file, 
 DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
 GemmOpt = Annotated[Optional[str], typer.Option(help="Weight matmuls: auto (oneDNN with packed weights on CPU), onednn or torch.")]
+QuantOpt = Annotated[Optional[str], typer.Option(help="Weights: none (dequantize) or gguf (keep a GGUF's 4-/8-bit blocks; CPU, bfloat16).")]
 CacheOpt = Annotated[Optional[str], typer.Option("--cache", help="KV cache kind: paged or slot.")]
 BlockOpt = Annotated[Optional[int], typer.Option(help="Tokens per KV block (paged cache).")]
 NumBlocksOpt = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (wins over --kv-memory).")]
@@ -74,7 +75,7 @@ PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Draw the result
 
 
 def overrides(**kw) -> dict:
-    keys = {"model": "model", "device": "device", "dtype": "dtype", "gemm": "gemm", "cache": "cache.kind",
+    keys = {"model": "model", "device": "device", "dtype": "dtype", "gemm": "gemm", "quant": "quant", "cache": "cache.kind",
             "block_size": "cache.block_size", "num_blocks": "cache.num_blocks", "kv_memory": "cache.kv_memory",
             "max_model_len": "cache.max_model_len", "max_num_seqs": "scheduler.max_num_seqs",
             "max_prefill_tokens": "scheduler.max_prefill_tokens", "max_new_tokens": "sampling.max_new_tokens",
@@ -93,7 +94,7 @@ def generate(
     resume: Annotated[bool, typer.Option(help="Skip ids already in --output and append the rest.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 1 if any request failed.")] = False,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, cache: CacheOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
+    gemm: GemmOpt = None, quant: QuantOpt = None, cache: CacheOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
     kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None,
     max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
     top_p: TopPOpt = None, top_k: TopKOpt = None, min_p: MinPOpt = None, repetition_penalty: RepOpt = None,
@@ -120,7 +121,7 @@ def serve_batch(
     request_rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals per second (default: as fast as read).")] = None,
     max_inflight: Annotated[Optional[int], typer.Option(help="Most requests inside the engine at once.")] = None,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, cache: CacheOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
+    gemm: GemmOpt = None, quant: QuantOpt = None, cache: CacheOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
     kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None,
     max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
     top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None, ignore_eos: EosOpt = None,
@@ -161,7 +162,7 @@ def bench(
     repeat: Annotated[int, typer.Option(help="Runs per row (round robin); rows report the median run.")] = 1,
     profile: Annotated[bool, typer.Option("--profile", help="Rerun the first row under torch.profiler; show where the time goes.")] = False,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
+    gemm: GemmOpt = None, quant: QuantOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
     max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
     quiet: QuietOpt = False, debug: DebugOpt = False, plot: PlotOpt = None,
 ):
@@ -170,7 +171,7 @@ def bench(
     from .config import load_config
     from .plot import prepare
     prepare(plot)
-    cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, num_blocks=num_blocks,
+    cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, quant=quant, num_blocks=num_blocks,
                                          kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens))
     spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
@@ -191,7 +192,7 @@ def inspect_blocks(
     at: Annotated[str, typer.Option(help="Snapshot moment: peak, end, or a step number.")] = "peak",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write snapshot + timeline as JSON.")] = None,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
+    gemm: GemmOpt = None, quant: QuantOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
     max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None, chat: ChatOpt = False,
     quiet: QuietOpt = False, debug: DebugOpt = False, prefix_cache: PrefixOpt = None,
     max_prefill_tokens: PrefillOpt = None, stats_json: StatsOpt = None, plot: PlotOpt = None,
@@ -201,7 +202,7 @@ def inspect_blocks(
     from .inspect_blocks import run_inspect
     from .plot import prepare
     prepare(plot)
-    cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, block_size=block_size,
+    cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, quant=quant, block_size=block_size,
                                          num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, cache="paged", ignore_eos=True,
                                          max_new_tokens=output_len, prefix_cache=prefix_cache,

@@ -57,6 +57,7 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     gemm: str = "auto"
+    quant: str = "none"  # 'gguf': keep a GGUF file's 4-bit/8-bit weights quantized (model/quant.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -65,6 +66,7 @@ class Config:
 SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "sampling": SamplingConfig}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GEMMS = ("auto", "onednn", "torch")  # see model/gemm.py
+QUANTS = ("none", "gguf")  # see model/quant.py
 
 
 def _hints(cls) -> dict[str, object]:
@@ -257,6 +259,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         raise UsageError(f"dtype{at('dtype', '')} must be one of {', '.join(DTYPES)}, not {cfg.dtype!r}")
     if cfg.gemm not in GEMMS:
         raise UsageError(f"gemm{at('gemm', '')} must be one of {', '.join(GEMMS)}, not {cfg.gemm!r}")
+    if cfg.quant not in QUANTS:
+        raise UsageError(f"quant{at('quant', '')} must be one of {', '.join(QUANTS)}, not {cfg.quant!r}")
     if not (cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")):
         raise UsageError(f"device{at('device', '')} must be auto, cpu, cuda or cuda:N, not {cfg.device!r}")
     from .cache.kv import CacheError, parse_bytes

@@ -18,6 +18,7 @@ from .errors import TinyLLMError, UsageError
 from .model.checkpoint import load_checkpoint
 from .model.gemm import resolve_gemm
 from .model.llama import LlamaModel, build_model
+from .model.quant import ACT_DTYPE, int4_usable
 from .model.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,10 +32,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quant: str = "none") -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or quant != "none" else torch.float32
     return _DTYPES[name]
+
+
+def check_quant(quant: str, dtype: torch.dtype, device: torch.device) -> None:
+    """``quant: gguf`` runs torch's CPU int4 / int8 kernels, which compute in bfloat16."""
+    if quant == "none":
+        return
+    if not int4_usable(device):
+        raise UsageError(f"quant 'gguf' runs on the CPU only (here: {device}); use --quant none")
+    if dtype != ACT_DTYPE:
+        raise UsageError(f"quant 'gguf' computes in bfloat16, not {str(dtype).removeprefix('torch.')}; "
+                         f"use --dtype bfloat16 (or auto)")
 
 
 @dataclass
@@ -49,23 +61,26 @@ class Runtime:
     def facts(self) -> dict:
         """What ran, for stats files and bench rows."""
         return {"model": self.model_name, "load_s": round(self.load_s, 3),
-                "dtype": str(self.dtype).removeprefix("torch."), "gemm": self.model.gemm, "device": str(self.device)}
+                "dtype": str(self.dtype).removeprefix("torch."), "gemm": self.model.gemm, "quant": self.model.quant,
+                "device": str(self.device)}
 
     def describe(self) -> str:
         """What ran, for table titles: model · dtype · matmul path · device."""
-        return (f"{self.model_name} · {str(self.dtype).removeprefix('torch.')} · gemm {self.model.gemm} · "
+        quant = " · int4/int8 weights" if self.model.quant != "none" else ""
+        return (f"{self.model_name} · {str(self.dtype).removeprefix('torch.')} · gemm {self.model.gemm}{quant} · "
                 f"{self.device}")
 
 
 def load_runtime(cfg: Config, progress: bool = True) -> Runtime:
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    dtype = resolve_dtype(cfg.dtype, device, cfg.quant)
+    check_quant(cfg.quant, dtype, device)
     try:
         gemm = resolve_gemm(cfg.gemm, dtype, device)  # before the (slow) load: a bad choice fails fast
     except ValueError as e:
         raise UsageError(str(e))
-    ck = load_checkpoint(cfg.model, progress)
+    ck = load_checkpoint(cfg.model, progress, cfg.quant)
     try:
         model = build_model(ck.config, ck.weights, dtype, str(device), gemm)
     except ValueError as e:

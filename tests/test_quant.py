@@ -1,0 +1,187 @@
+"""``quant: gguf``: GGUF 4-bit / 8-bit weights kept quantized, and the fast GGUF header reader.
+
+References: the ``gguf`` package's own dequantizer (what the file holds), ``F.linear`` on those
+dequantized weights, the dequantized model (logits), and a no-cache recompute (engine). The
+quantized path computes in bfloat16, so its tolerances are bfloat16's, stated per test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import LLAMA_SHAPE
+from test_gguf_roundtrip import _gguf_tensors, _hf_config, _k_blocks, _write_gguf
+from tinyllm_cli.cache.attention import NoCacheAttention
+from tinyllm_cli.config import Config
+from tinyllm_cli.engine.request import Request, SamplingParams
+from tinyllm_cli.model.checkpoint import load_checkpoint
+from tinyllm_cli.model.gguf_file import GGUFFile
+from tinyllm_cli.model.llama import build_model
+from tinyllm_cli.model.quant import Int4Linear, Int8Embedding, Int8Rows, QuantWeight, from_gguf
+from tinyllm_cli.runtime import Runtime, make_engine
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                                reason="this torch has no CPU int4 matmul")
+
+
+def _raw(qtype: QT, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype == QT.Q4_K:
+        return _k_blocks(rng, rows, cols, qtype)
+    return quantize(rng.normal(0, 0.05, size=(rows, cols)).astype(np.float32), qtype)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K], ids=lambda q: q.name)
+def test_int4_forms_hold_exactly_what_the_file_holds(qtype):
+    rows, cols = 48, 512
+    raw = _raw(qtype, rows, cols)
+    held = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32))
+    q = from_gguf(raw, qtype.name, rows, cols)
+    assert isinstance(q, QuantWeight) and int(q.codes.max()) <= 15
+    # float32 scale/zero reproduce the file's values to float32 rounding of d*q + m.
+    torch.testing.assert_close(q.dequantize(), held, rtol=0, atol=1e-6 * held.abs().max().item())
+
+
+def test_q8_0_becomes_int8_rows_within_half_a_row_step():
+    rows, cols = 32, 256
+    raw = _raw(QT.Q8_0, rows, cols)
+    held = torch.from_numpy(np.asarray(dequantize(raw, QT.Q8_0), dtype=np.float32))
+    q = from_gguf(raw, "Q8_0", rows, cols)
+    assert isinstance(q, Int8Rows) and q.q.dtype == torch.int8
+    step = held.abs().amax(1, keepdim=True) / 127
+    assert ((q.dequantize() - held).abs() <= step / 2 + 1e-7).all()
+
+
+def test_unsupported_types_and_shapes_stay_dequantized():
+    assert from_gguf(_raw(QT.Q5_1, 32, 64), "Q5_1", 32, 64) is None
+    assert from_gguf(_raw(QT.Q4_1, 8, 64), "Q4_1", 8, 64) is None  # N not a multiple of 16
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_equals_f_linear_on_the_dequantized_weight(bias):
+    rows, cols = 96, 256
+    q = from_gguf(_raw(QT.Q4_1, rows, cols, seed=1), "Q4_1", rows, cols)
+    b = torch.randn(rows) if bias else None
+    lin = Int4Linear(q, b)
+    for m in (1, 2, 7, 40):
+        x = torch.randn(m, cols).bfloat16()
+        ref = F.linear(x.float(), q.dequantize(), b)
+        got = lin(x)
+        assert got.dtype == torch.bfloat16
+        rel = ((got.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, f"{m} rows: relative error {rel:.3g}"  # bfloat16 weights/activations: ~3e-3
+
+
+def test_int8_embedding_lookup_and_head_share_one_matrix():
+    rows, cols = 64, 128
+    w = from_gguf(_raw(QT.Q8_0, rows, cols, seed=2), "Q8_0", rows, cols)
+    emb = Int8Embedding(w)
+    ids = torch.tensor([3, 0, 63, 3])
+    torch.testing.assert_close(emb(ids).float(), w.dequantize()[ids], rtol=1e-2, atol=1e-3)
+    x = torch.randn(5, cols).bfloat16()
+    ref = x.float() @ w.dequantize().t()
+    assert ((emb.linear(x).float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+# ---- a whole model from a llama.cpp-style Q4_1 file ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def q4_gguf(llama_dir, tmp_path_factory):
+    """The tiny Llama as llama.cpp's converter + quantizer would write it: Q4_1 matrices (Q/K rows
+    permuted), a Q8_0 embedding, F32 norms."""
+    import transformers
+    cfg = _hf_config(llama_dir)
+    state = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir)).state_dict()
+    to_write = {}
+    for gname, (w, _) in _gguf_tensors(state, cfg).items():
+        if w.ndim == 1:
+            to_write[gname] = (w, None)
+        else:
+            kind = QT.Q8_0 if gname == "token_embd.weight" else QT.Q4_1
+            to_write[gname] = (quantize(w, kind), kind)
+    path = tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf"
+    _write_gguf(path, cfg, to_write)
+    return path
+
+
+def _logits(model, prompts):
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    with torch.inference_mode():
+        return model(ids, pos, NoCacheAttention([len(p) for p in prompts]), None).float()
+
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(10, 40)), [300, 2, 8]]
+
+
+def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_gguf):
+    ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
+    assert model.quant == "gguf"
+    layer = model.layers[0]
+    assert all(isinstance(m, Int4Linear) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    assert isinstance(model.embed, Int8Embedding)
+    biggest_float = max(p.numel() for p in model.parameters())
+    assert biggest_float <= LLAMA_SHAPE["hidden_size"]  # only norm vectors stay as float parameters
+
+    deq = load_checkpoint(str(q4_gguf), progress=False)  # the same file, dequantized (exact)
+    ref = _logits(build_model(deq.config, deq.weights, torch.float32, "cpu"), PROMPTS)
+    got = _logits(model, PROMPTS)
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < 0.05, f"relative logit error {rel:.3g}"  # measured ~0.01: bfloat16 + int8 rows
+    top2 = ref.topk(2, -1).values
+    # Measured: max |logit difference| 0.04, so rows whose top two differ by more than 0.1 must
+    # keep their argmax (about 25 of the 40 rows here).
+    confident = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert confident.sum() >= 15
+    assert (got.argmax(-1) == ref.argmax(-1))[confident].all()
+
+
+def test_quantized_engine_equals_no_cache_recompute(q4_gguf):
+    """Cache equivalence holds for any weights: the paged engine (with preemption) produces the
+    tokens a full recompute of the same quantized model produces."""
+    cfg = Config(model=str(q4_gguf), quant="gguf", dtype="bfloat16")
+    cfg.cache.block_size, cfg.cache.num_blocks = 4, 12
+    ck = load_checkpoint(cfg.model, progress=False, quant="gguf")
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
+    rt = Runtime(model, None, "tiny", torch.device("cpu"), torch.bfloat16, 0.0)
+    eng = make_engine(cfg, rt)
+    p = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    outs = {o.id: o for o in eng.run([Request(str(i), pr, p, index=i) for i, pr in enumerate(PROMPTS)])}
+    assert eng.stats.preemptions > 0
+    for i, pr in enumerate(PROMPTS):
+        seq = list(pr)
+        for _ in range(10):
+            seq.append(int(_logits(model, [seq])[-1].argmax()))
+        assert outs[str(i)].token_ids == seq[len(pr):]
+
+
+# ---- the GGUF header reader ------------------------------------------------------------------
+
+def test_fast_reader_reads_what_gguf_reader_reads(q4_gguf):
+    from tinyllm_cli.model.checkpoint import default_model_path
+    for path in (q4_gguf, default_model_path()):
+        ours, theirs = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+        assert list(ours.fields) == list(theirs.fields)
+        for k, f in theirs.fields.items():
+            a, b = ours.fields[k].contents(), f.contents()
+            assert a == b and type(a) is type(b), k
+        for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+            assert (a.name, list(a.shape), a.tensor_type) == (b.name, list(b.shape), b.tensor_type)
+            assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+
+
+def test_fast_reader_refuses_a_truncated_file(q4_gguf, tmp_path):
+    data = q4_gguf.read_bytes()
+    for cut in (10, 200, len(data) - 100):
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(ValueError):
+            GGUFFile(str(short))

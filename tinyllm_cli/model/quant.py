@@ -1,0 +1,194 @@
+"""Weights kept quantized (``quant: gguf``): GGUF 4-bit blocks run through torch's int4 matmul.
+
+Why: one decode step of one sequence streams every weight once. Dequantized to float32 the
+default model is 540 MB a token, in bfloat16 270 MB; kept in its file's 4-bit blocks it is about
+80 MB, and a single stream runs as fast as memory delivers those bytes (llama.cpp's approach).
+
+What each form computes (the same math as the dequantized weights, up to stated rounding):
+- Q4_0 / Q4_1 / Q4_K blocks share a scale ``d`` (and a minimum ``m``) per group of 32 weights
+  along K: ``w = d*q + m`` with q in 0..15 (Q4_0: ``w = d*(q - 8)``; Q4_K's 6-bit sub-block
+  scales multiply out to the same per-32 form). torch's CPU int4 matmul computes
+  ``w = (q - 8)*s + z`` per group of 32, so ``s = d`` and ``z = m + 8d`` hold the same weights.
+  The one rounding: ``s`` and ``z`` are stored in bfloat16 (the kernel's dtype), the file has
+  float16 / float32.
+- Q8_0 (the default model's tied embedding / output matrix) has one scale per 32 int8 values;
+  torch's int8 matmul takes one scale per row, so those rows are requantized to int8 with a
+  per-row scale (round to nearest): the largest change to a weight is half a step of its row.
+  The same int8 rows serve the embedding lookup and the output projection: one copy.
+- The activation dtype is bfloat16 (the CPU int4 kernel's fast path); everything that is not a
+  quantized matmul (norms, attention, K/V) runs as in the dequantized model.
+
+Invariants: a ``QuantWeight`` is the only copy of its weight once the model is built (no float
+copy is kept); ``Int4Linear(x)`` equals ``F.linear(x, dequantize())`` up to bfloat16 rounding
+(tests compare them); the int4 kernel wants ``K`` a multiple of 32 and ``N`` a multiple of 16
+(checked when a tensor is read, so an odd shape stays dequantized instead of failing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+GROUP = 32
+ACT_DTYPE = torch.bfloat16
+QUANT_MODES = ("none", "gguf")
+
+
+@dataclass
+class QuantWeight:
+    """A [N, K] weight as 4-bit codes in groups of 32 along K: ``w = (q - 8) * scale + zero``."""
+
+    codes: Tensor  # uint8 [N, K], values 0..15
+    scale: Tensor  # float32 [N, K // 32]
+    zero: Tensor  # float32 [N, K // 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> Tensor:
+        n, k = self.codes.shape
+        q = self.codes.view(n, k // GROUP, GROUP).float() - 8
+        return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    def rows(self, fn) -> "QuantWeight":
+        """The same weight with ``fn`` applied to its row axis (e.g. llama.cpp's Q/K permutation)."""
+        return QuantWeight(fn(self.codes), fn(self.scale), fn(self.zero))
+
+    @staticmethod
+    def cat(parts: list["QuantWeight"]) -> "QuantWeight":
+        """Stack along N (rows), as fusing q/k/v or gate/up does."""
+        return QuantWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                           torch.cat([p.zero for p in parts]))
+
+
+@dataclass
+class Int8Rows:
+    """A [N, K] weight as int8 with one scale per row: ``w = q * scale``."""
+
+    q: Tensor  # int8 [N, K]
+    scale: Tensor  # float32 [N]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+def is_quantized(t) -> bool:
+    return isinstance(t, (QuantWeight, Int8Rows))
+
+
+# ---- reading GGUF blocks -------------------------------------------------------------------------
+
+def _f16(raw: np.ndarray, col: int) -> np.ndarray:
+    """The float16 at byte ``col`` of every block row of ``raw`` [rows, blocks, bytes], as float32."""
+    return np.ascontiguousarray(raw[..., col:col + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's 4-bit layout: byte j of a block holds weight j (low nibble) and j + 16 (high)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k4_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of 6-bit (scale, min) pairs for its 8 sub-blocks (ggml's get_scale_min_k4)."""
+    lo = sc[..., :4] & 63, sc[..., 4:8] & 63
+    hi = ((sc[..., 8:] & 15) | ((sc[..., :4] >> 6) << 4), (sc[..., 8:] >> 4) | ((sc[..., 4:8] >> 6) << 4))
+    return np.concatenate([lo[0], hi[0]], -1), np.concatenate([lo[1], hi[1]], -1)
+
+
+def from_gguf(raw: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | Int8Rows | None:
+    """Read a GGUF tensor's raw blocks (uint8 [n, bytes per row]) into a quantized form, or None
+    where this module has no exact int4 / int8 form for the type or shape."""
+    if k % GROUP or n % 16:
+        return None
+    raw = np.asarray(raw, dtype=np.uint8)
+    if kind == "Q8_0":
+        b = raw.reshape(n, k // 32, 34)
+        w = _f16(b, 0)[..., None] * b[..., 2:].view(np.int8).astype(np.float32)
+        w = torch.from_numpy(w.reshape(n, k))
+        scale = w.abs().amax(1).clamp_min(1e-12) / 127
+        return Int8Rows(torch.round(w / scale[:, None]).to(torch.int8), scale)
+    if kind in ("Q4_0", "Q4_1"):
+        width = 18 if kind == "Q4_0" else 20
+        b = raw.reshape(n, k // 32, width)
+        d = _f16(b, 0)
+        codes = _nibbles(b[..., width - 16:])
+        zero = np.zeros_like(d) if kind == "Q4_0" else _f16(b, 2) + 8 * d
+        return _qw(codes, d, zero, n, k)
+    if kind == "Q4_K":
+        if k % 256:
+            return None
+        b = raw.reshape(n, k // 256, 144)
+        d, dmin = _f16(b, 0), _f16(b, 2)
+        sc, mn = _k4_scales(b[..., 4:16])
+        qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 weights: 32 low, 32 high nibbles
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 32, 32)
+        scale = (d[..., None] * sc).reshape(n, k // 32)
+        zero = (-dmin[..., None] * mn).reshape(n, k // 32) + 8 * scale
+        return _qw(codes, scale, zero, n, k)
+    return None
+
+
+def _qw(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, n: int, k: int) -> QuantWeight:
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k))),
+                       torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
+                       torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)))
+
+
+# ---- modules -----------------------------------------------------------------------------------
+
+def int4_usable(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+class Int4Linear(nn.Module):
+    """``F.linear`` with a 4-bit weight in torch's CPU int4 layout (packed once at load)."""
+
+    def __init__(self, w: QuantWeight, bias: Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = w.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 1)
+        self.register_buffer("packed", packed)
+        sz = torch.stack([w.scale, w.zero], dim=-1).transpose(0, 1).contiguous().to(ACT_DTYPE)
+        self.register_buffer("scales_zeros", sz)  # [K / 32, N, 2]
+        self.bias = None if bias is None else bias.to(ACT_DTYPE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scales_zeros)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
+
+
+class Int8Embedding(nn.Module):
+    """An int8 [vocab, hidden] matrix serving both the embedding lookup and (tied) output matmul."""
+
+    def __init__(self, w: Int8Rows):
+        super().__init__()
+        self.register_buffer("q", w.q)
+        self.register_buffer("scale", w.scale.to(ACT_DTYPE))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.q.index_select(0, ids).to(ACT_DTYPE).mul_(self.scale.index_select(0, ids)[:, None])
+
+    def linear(self, x: Tensor) -> Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
+
+
+class TiedInt8Head(nn.Module):
+    """The output projection of a tied model, reading the embedding's int8 rows (no copy)."""
+
+    def __init__(self, embed: Int8Embedding):
+        super().__init__()
+        self._embed = [embed]  # a list, so the module is not registered (and counted) twice
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._embed[0].linear(x)
