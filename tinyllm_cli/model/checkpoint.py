@@ -223,7 +223,7 @@ def load_gguf(path: Path, progress: bool = True, quant: str = "none") -> Checkpo
         name = _hf_name(t.name)
         if name is None:
             continue
-        heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(t.name.split(".")[-2])
+        heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(t.name.split(".")[-2]) if permuted else None
         if quant == "gguf" and (q := _quantized(t, name, heads)) is not None:
             weights[name] = q
             continue

@@ -134,9 +134,8 @@ class HeadNorm(RMSNorm):
         self.weight = nn.Parameter(torch.ones(heads, dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, x.shape[-1:], None, self.eps).mul_(self.weight)
-        return super().forward(x)  # its reduced-precision path broadcasts the [heads, dim] weight
+        # Normalise over head_dim only; the [heads, dim] weight then broadcasts over tokens.
+        return F.rms_norm(x, x.shape[-1:], None, self.eps).mul_(self.weight)
 
 
 class DecoderLayer(nn.Module):
