@@ -50,6 +50,7 @@ from tinyllm_cli.cache.kv import PagedKVCache  # noqa: E402
 from tinyllm_cli.errors import CheckpointError  # noqa: E402
 from tinyllm_cli.model.checkpoint import load_checkpoint  # noqa: E402
 from tinyllm_cli.model.llama import build_model  # noqa: E402
+from tinyllm_cli.model.quant import QuantWeight, is_quantized  # noqa: E402
 
 # Split regexes as the models' own tokenizer.json files spell them.
 QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -408,6 +409,12 @@ def test_qwen3_k_quant_gguf_loads_ggufs_dequantization(tmp_path):
     assert set(ck.weights) == set(expected)
     for name, want in expected.items():
         assert torch.equal(ck.weights[name], want), name
+    # quant: gguf keeps these blocks as int4 and holds the same weights (no Q/K un-permute for qwen3).
+    held = load_checkpoint(str(path), progress=False, quant="gguf").weights
+    assert isinstance(held["model.layers.0.self_attn.q_proj.weight"], QuantWeight)
+    for name, want in expected.items():
+        got = held[name].dequantize() if is_quantized(held[name]) else held[name]
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * want.abs().max().item(), msg=name)
     missing, unexpected = hf.load_state_dict(expected, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     hf.tie_weights()
