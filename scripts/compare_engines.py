@@ -17,6 +17,8 @@ What each engine measures (every timer covers generation only unless the row say
   its ``speed`` = B * (PP + TG) / (prefill + decode time), which is total tok/s. It draws its own
   random token ids, so PP is the workload's mean prompt length (same total tokens, equal lengths
   instead of 64-127 mixed) and the weights are the same random weights written as GGUF.
+- q4_1 rows (W1/W2 on the default model): llama.cpp's batched bench on the default model's own
+  Q4_1 GGUF, tinyllm on the same file with ``--config`` (its quantization, dtype, kernels).
 - single stream (default model): tinyllm ``generate`` as a subprocess with ``--config`` (default
   ``configs/fast.yaml`` when it exists), one prompt, 128 new tokens; decode tok/s = 1 / TPOT p50
   from its stats JSON. llama.cpp: ``llama-bench -m <the default model's Q4_1 GGUF> -p 0 -n 128
@@ -24,9 +26,12 @@ What each engine measures (every timer covers generation only unless the row say
 - e2e: a 64-prompt job from process start to exit: ``tinyllm generate`` vs a vLLM process
   (``compare_vllm_worker.py oneshot``) that imports vLLM, builds the engine and generates; both on
   the random SmolLM2-shaped model, cold start counted.
-- start-up: from the single-stream runs: process start to the first step, split into load_s (from
-  the stats), the first step (TTFT of the one prompt) and the rest (interpreter, imports, config;
-  also writing and exit, so this part is an upper bound); vLLM's from its oneshot phase times.
+- start-up (from the e2e runs, same model for both): process start to the start of generation.
+  vLLM: exact (the worker writes when ``generate`` started; split into import and engine init).
+  tinyllm: wall - generation time from its stats, which also counts writing and exit (an upper
+  bound). "start-up, default model" (from the single-stream runs): tinyllm's process start to its
+  first step, split into load_s (stats), the first step (TTFT) and the rest (interpreter, imports,
+  config, plus writing and exit, again an upper bound).
 
 Runs are interleaved (round robin over engines inside each repeat) and the median of ``--repeat``
 runs is reported. The table goes to stderr, ``--json`` writes every run. External engines are set
@@ -58,7 +63,10 @@ sys.path.insert(0, str(REPO))  # this checkout's tinyllm_cli wins over an instal
 ENGINES = ("tinyllm", "hf", "vllm", "llamacpp")
 ENGINE_NAMES = {"tinyllm": "tinyllm", "hf": "transformers", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
 BENCHES = ("W1", "W2", "single", "e2e")
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "q4_1")
+# "q4_1": W1/W2 on the default model itself: llama.cpp on its Q4_1 GGUF as shipped, tinyllm with
+# --config (whatever that config does with the weights); no transformers / vLLM on this row.
+Q4 = "q4_1"
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"
 LLAMACPP_SDIST = "llama-cpp-python==0.3.36"
@@ -539,7 +547,10 @@ def tinyllm_e2e(model_dir: Path, dtype: str, prompts, output_len: int, config: P
                                     "--max-new-tokens", str(output_len), "--ignore-eos"], work, 1800)
     if n != len(prompts):
         raise Skip(f"tinyllm generate wrote {n} of {len(prompts)} results")
-    return {"wall_s": wall, "load_s": st["load_s"], "generate_s": st["elapsed_s"]}
+    # The stats hold no absolute times, so what precedes generation is wall - generation, which
+    # also counts writing the last results and exiting: an upper bound on tinyllm's start-up.
+    return {"wall_s": wall, "load_s": st["load_s"], "generate_s": st["elapsed_s"],
+            "to_generate_s": wall - st["elapsed_s"]}
 
 
 def vllm_e2e(py: Path, model_dir: Path, dtype: str, prompts, output_len: int, work: Path, logfile: Path,
@@ -548,7 +559,7 @@ def vllm_e2e(py: Path, model_dir: Path, dtype: str, prompts, output_len: int, wo
     f.write_text(json.dumps(prompts))
     cmd = [str(py), str(WORKER), "oneshot", "--model", str(model_dir), "--dtype", dtype, "--prompts", str(f),
            "--max-tokens", str(output_len), "--output", str(out)]
-    t0 = time.perf_counter()
+    t0, spawned = time.perf_counter(), time.time()
     with logfile.open("a") as fh:
         p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=vllm_env(kv_gib), timeout=1800)
     wall = time.perf_counter() - t0
@@ -557,8 +568,10 @@ def vllm_e2e(py: Path, model_dir: Path, dtype: str, prompts, output_len: int, wo
     r = json.loads(out.read_text())
     if len(r["token_ids"]) != len(prompts):
         raise Skip(f"the vLLM job returned {len(r['token_ids'])} of {len(prompts)} results")
+    # Shutdown (vLLM's engine core is a second process) is not start-up, so it is measured
+    # exactly: the worker writes the wall-clock time at which generate() started.
     return {"wall_s": wall, "import_s": r["import_s"], "init_s": r["init_s"], "generate_s": r["generate_s"],
-            "to_first_step_s": wall - r["generate_s"]}
+            "to_generate_s": r["generate_started"] - spawned}
 
 
 # ---- the comparison -------------------------------------------------------------------------
@@ -605,6 +618,11 @@ class Comparison:
             log(f"{ENGINE_NAMES.get(engine, engine)} {bench} {dtype}: skipped: {c.note}")
             return None
 
+    def add(self, bench: str, dtype: str, engine: str, value: float, run: dict, unit: str = "tok/s") -> None:
+        c = self.cell(bench, dtype, engine, unit)
+        c.values.append(round(value, 3))
+        c.runs.append(run)
+
     def to_json(self) -> dict:
         return {"cpu": self.cpu, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
                 "skipped": self.notes, "greedy_match_vs_tinyllm": {"/".join(k): v for k, v in self.matches.items()},
@@ -625,7 +643,7 @@ def open_engine(cmp: Comparison, name: str, factory):
 
 def batched_engines(cmp: Comparison, ctx: dict, dtype: str) -> dict:
     a = cmp.args
-    factories = {
+    factories = default_model_factories(cmp, ctx) if dtype == Q4 else {
         "tinyllm": lambda: TinyEngine(str(ctx["hf_dir"]), dtype, a.batch_config),
         "hf": lambda: HFEngine(ctx["hf_dir"], dtype),
         "vllm": lambda: VLLMEngine(ctx["vllm_py"](), ctx["hf_dir"], dtype, a.cache_dir / "vllm-runs.log",
@@ -633,13 +651,18 @@ def batched_engines(cmp: Comparison, ctx: dict, dtype: str) -> dict:
         "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), ctx["gguf"](dtype)),
     }
     out = {}
-    for name in a.engines:
-        if name in factories and name not in cmp.notes:
+    for name in factories:
+        if name in a.engines and name not in cmp.notes:
             log(f"starting {ENGINE_NAMES[name]} ({dtype}) ...")
             eng = open_engine(cmp, name, factories[name])
             if eng is not None:
                 out[name] = eng
     return out
+
+
+def default_model_factories(cmp: Comparison, ctx: dict) -> dict:
+    return {"tinyllm": lambda: TinyEngine("default", None, cmp.args.config),
+            "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), default_gguf())}
 
 
 def run_batched(cmp: Comparison, ctx: dict) -> None:
@@ -655,6 +678,7 @@ def run_batched(cmp: Comparison, ctx: dict) -> None:
             for b in benches:
                 out_len = ctx["shapes"][b].output_len
                 for name, eng in engines.items():
+                    time.sleep(a.settle)  # the previous engine's spinning threads go idle first
                     run = cmp.attempt(b, dtype, name, "tok/s", lambda: eng.run(prompts[b], out_len))
                     if run is not None:
                         record_batched(cmp, b, dtype, name, run, r)
@@ -686,47 +710,42 @@ def run_single(cmp: Comparison, ctx: dict) -> None:
         return
     n = ctx["single_new"]
     label = a.config.name if a.config else "default config"
-    for r in range(a.repeat):
+    for _ in range(a.repeat):
         if "tinyllm" in a.engines:
-            res = cmp.attempt("single", label, "tinyllm", "tok/s",
-                              lambda: tinyllm_single(a.config, n, ctx["work"]))
+            res = cmp.attempt("single", label, "tinyllm", "tok/s", lambda: tinyllm_single(a.config, n, ctx["work"]))
             if res:
-                cmp.cell("single", label, "tinyllm").values.append(round(res["decode_tok_s"], 2))
-                cmp.cell("single", label, "tinyllm").runs.append(res)
-                cmp.cell("start-up", label, "tinyllm", "s").values.append(round(res["to_first_step_s"], 3))
-                cmp.cell("start-up", label, "tinyllm", "s").runs.append(res)
+                cmp.add("single", label, "tinyllm", res["decode_tok_s"], res)
+                cmp.add("start-up, default model", label, "tinyllm", res["to_first_step_s"], res, "s")
         if "llamacpp" in a.engines and "llamacpp" not in cmp.notes:
             res = cmp.attempt("single", label, "llamacpp", "tok/s",
                               lambda: llamacpp_single(ctx["llamacpp"](), default_gguf(), n))
             if res:
-                cmp.cell("single", label, "llamacpp").values.append(round(res["decode_tok_s"], 2))
-                cmp.cell("single", label, "llamacpp").runs.append(res)
+                cmp.add("single", label, "llamacpp", res["decode_tok_s"], res)
 
 
 def run_e2e(cmp: Comparison, ctx: dict) -> None:
-    """The 64-prompt job, each engine a fresh process (cold start counted), round robin."""
+    """The 64-prompt job, each engine a fresh process (cold start counted), round robin; its
+    start-up row is the time before generation starts, on the same model for both."""
     a = cmp.args
     if "e2e" not in a.workloads:
         return
     wl = ctx["shapes"]["e2e"]
     prompts = make_prompts(ctx["hf_dir"], wl, a.seed + 1)
-    for dtype in a.dtypes:
-        for r in range(a.repeat):
+    for dtype in [d for d in a.dtypes if d != Q4]:
+        for _ in range(a.repeat):
             if "tinyllm" in a.engines:
                 res = cmp.attempt("e2e", dtype, "tinyllm", "s", lambda: tinyllm_e2e(
                     ctx["hf_dir"], dtype, prompts, wl.output_len, a.batch_config, ctx["work"]))
                 if res:
-                    cmp.cell("e2e", dtype, "tinyllm", "s").values.append(round(res["wall_s"], 3))
-                    cmp.cell("e2e", dtype, "tinyllm", "s").runs.append(res)
+                    cmp.add("e2e", dtype, "tinyllm", res["wall_s"], res, "s")
+                    cmp.add("start-up", dtype, "tinyllm", res["to_generate_s"], res, "s")
             if "vllm" in a.engines and "vllm" not in cmp.notes:
                 res = cmp.attempt("e2e", dtype, "vllm", "s", lambda: vllm_e2e(
                     ctx["vllm_py"](), ctx["hf_dir"], dtype, prompts, wl.output_len, ctx["work"],
                     a.cache_dir / "vllm-runs.log", a.vllm_kv_gib))
                 if res:
-                    for bench, key in (("e2e", "wall_s"), ("start-up", "to_first_step_s")):
-                        cmp.cell(bench, dtype if bench == "e2e" else "cold", "vllm", "s").values.append(
-                            round(res[key], 3))
-                        cmp.cell(bench, dtype if bench == "e2e" else "cold", "vllm", "s").runs.append(res)
+                    cmp.add("e2e", dtype, "vllm", res["wall_s"], res, "s")
+                    cmp.add("start-up", dtype, "vllm", res["to_generate_s"], res, "s")
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -760,14 +779,33 @@ def print_table(cmp: Comparison, rows: list[dict]) -> None:
     for row in rows:
         cells = [_fmt(row.get(e)) for e in ENGINES] + [_fmt(row.get(c), "x") for _, c in RATIO_COLS]
         t.add_row(row["bench"], row["dtype"], row["unit"], *cells)
-    notes = [f"{ENGINE_NAMES[e]} skipped: {n}" for e, n in cmp.notes.items()]
+    notes = [f"{ENGINE_NAMES[e]} skipped: {n}" for e, n in cmp.notes.items()] + startup_notes(cmp)
     notes += [f"greedy outputs equal to tinyllm's, {' '.join(k)}: {v}" for k, v in cmp.matches.items()]
     t.caption = "\n".join(notes + [CAPTION])
     Console(stderr=True, width=200).print(t)
 
 
+def startup_notes(cmp: Comparison) -> list[str]:
+    """Where start-up goes, from each engine's median run."""
+    out = []
+    for c in cmp.cells.values():
+        if not c.bench.startswith("start-up") or not c.values:
+            continue
+        i = c.values.index(sorted(c.values)[(len(c.values) - 1) // 2])  # the (lower) median run
+        v, run = c.values[i], c.runs[i]
+        if c.engine == "vllm":
+            parts = f"import vllm {run['import_s']:.1f} s, engine init {run['init_s']:.1f} s"
+        elif "first_step_s" in run:
+            parts = (f"load {run['load_s']:.1f} s, first step {run['first_step_s']:.2f} s, "
+                     f"interpreter/imports/exit {run['other_s']:.1f} s")
+        else:
+            parts = f"load {run['load_s']:.1f} s, interpreter/imports/exit {v - run['load_s']:.1f} s"
+        out.append(f"{c.bench} {c.dtype}, {ENGINE_NAMES[c.engine]}: {v:.1f} s = {parts}")
+    return out
+
+
 CAPTION = ("W1/W2/e2e: total tok/s or seconds on random weights in SmolLM2-135M's shape; single: decode "
-           "tok/s on the default model (llama.cpp on its Q4_1 file); start-up: process start to first step; "
+           "tok/s on the default model (llama.cpp on its Q4_1 file); start-up: process start to generation; "
            "llama.cpp batched rows are llama-batched-bench at the mean prompt length.")
 
 
@@ -786,7 +824,8 @@ def parse_args(argv=None):
                                             "the same prompt ids; one table of tok/s and ratios (stderr).")
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of tinyllm,hf,vllm,llamacpp")
     p.add_argument("--workloads", default=",".join(BENCHES), help="comma list of W1,W2,single,e2e")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="comma list of float32,bfloat16")
+    p.add_argument("--dtypes", default=",".join(DTYPES),
+                   help="comma list of float32,bfloat16,q4_1 (q4_1: W1/W2 on the default model's own GGUF)")
     p.add_argument("--repeat", type=int, default=None, help="runs per cell, interleaved; median (default 3, "
                                                              "1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test, not a measurement)")
@@ -801,6 +840,8 @@ def parse_args(argv=None):
         "TINYLLM_COMPARE_CACHE", Path.home() / ".cache" / "tinyllm-compare")))
     p.add_argument("--no-setup", action="store_true", help="never install vLLM or build llama.cpp; skip them")
     p.add_argument("--seed", type=int, default=0, help="workload seed (the same ids `tinyllm bench` draws)")
+    p.add_argument("--settle", type=float, default=1.0,
+                   help="seconds of quiet before each batched run (OpenMP threads spin a while after work)")
     p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE in GiB")
     p.add_argument("--vllm-timeout", type=float, default=900, help="seconds to wait for a vLLM answer")
     a = p.parse_args(argv)

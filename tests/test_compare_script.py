@@ -46,7 +46,7 @@ def _run(args, tmp_path):
 def test_quick_compare_tinyllm_and_transformers(llama_dir, tmp_path):
     out = tmp_path / "compare.json"
     p = _run(["--quick", "--engines", "tinyllm,hf", "--workloads", "W1,W2", "--dtypes", "float32",
-              "--repeat", "2", "--hf-dir", str(llama_dir), "--json", str(out)], tmp_path)
+              "--repeat", "2", "--settle", "0", "--hf-dir", str(llama_dir), "--json", str(out)], tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stdout == ""  # the table and the log go to stderr
     assert "tinyllm / transformers" in p.stderr and "W1" in p.stderr and "W2" in p.stderr
