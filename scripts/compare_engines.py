@@ -409,7 +409,7 @@ class VLLMEngine:
 
     def __init__(self, py: Path, model_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
         self.timeout = timeout
-        self.log = logfile.open("a")
+        self.log = logfile.open("a", buffering=1)  # line-buffered: the log is readable while it runs
         cmd = [str(py), str(WORKER), "serve", "--model", str(model_dir), "--dtype", dtype]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, env=vllm_env(kv_gib))
@@ -675,21 +675,29 @@ def run_batched(cmp: Comparison, ctx: dict) -> None:
     prompts = {b: make_prompts(ctx["hf_dir"], ctx["shapes"][b], a.seed) for b in benches}
     for dtype in a.dtypes:
         engines = batched_engines(cmp, ctx, dtype)
-        for r in range(a.repeat):
-            for b in benches:
-                out_len = ctx["shapes"][b].output_len
-                for name, eng in engines.items():
-                    time.sleep(a.settle)  # the previous engine's spinning threads go idle first
-                    run = cmp.attempt(b, dtype, name, "tok/s", lambda: eng.run(prompts[b], out_len))
-                    if run is not None:
-                        record_batched(cmp, b, dtype, name, run, r)
-                log(f"{b} {dtype} round {r + 1}/{a.repeat}: " + ", ".join(
-                    f"{ENGINE_NAMES[n]} {cmp.cell(b, dtype, n).values[-1]:.1f}" for n in engines
-                    if cmp.cell(b, dtype, n).values))
-        for eng in engines.values():
-            eng.close()
-        engines.clear()
-        gc.collect()
+        try:
+            run_rounds(cmp, ctx, engines, prompts, dtype)
+        finally:  # also on Ctrl-C: no vLLM worker is left behind
+            for eng in engines.values():
+                eng.close()
+            engines.clear()
+            gc.collect()
+
+
+def run_rounds(cmp: Comparison, ctx: dict, engines: dict, prompts: dict, dtype: str) -> None:
+    """Round r runs every workload on every engine before round r + 1 starts."""
+    a = cmp.args
+    for r in range(a.repeat):
+        for b in prompts:
+            out_len = ctx["shapes"][b].output_len
+            for name, eng in engines.items():
+                time.sleep(a.settle)  # the previous engine's spinning threads go idle first
+                run = cmp.attempt(b, dtype, name, "tok/s", lambda: eng.run(prompts[b], out_len))
+                if run is not None:
+                    record_batched(cmp, b, dtype, name, run, r)
+            log(f"{b} {dtype} round {r + 1}/{a.repeat}: " + ", ".join(
+                f"{ENGINE_NAMES[n]} {cmp.cell(b, dtype, n).values[-1]:.1f}" for n in engines
+                if cmp.cell(b, dtype, n).values))
 
 
 def record_batched(cmp: Comparison, bench: str, dtype: str, name: str, run: Run, rnd: int) -> None:
@@ -917,11 +925,15 @@ def main(argv=None) -> int:
     cmp = Comparison(a, cpu)
     t0 = time.perf_counter()
     ctx = context(a)
+    code = 0
     try:
         setup_external(cmp, ctx)
         run_batched(cmp, ctx)
         run_single(cmp, ctx)
         run_e2e(cmp, ctx)
+    except KeyboardInterrupt:
+        log("interrupted: the table shows what was measured so far")
+        code = 130
     finally:
         shutil.rmtree(ctx["work"], ignore_errors=True)
     rows = table_rows(cmp)
@@ -931,7 +943,7 @@ def main(argv=None) -> int:
         a.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
         log(f"wrote {a.json}")
     log(f"done in {result['wall_s']:.0f} s")
-    return 0
+    return code
 
 
 if __name__ == "__main__":
