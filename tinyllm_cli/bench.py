@@ -45,6 +45,7 @@ class BenchSpec:
     roofline: bool = False
     profile: bool = False
     repeat: int = 1
+    workers: list[int] = dataclasses.field(default_factory=lambda: [1])  # Ray worker counts (cluster.py)
 
     @classmethod
     def parse(cls, block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts, seed,
@@ -199,7 +200,11 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
                        rt.model.cfg, rt.dtype)
     if spec.warmup:  # first-call costs (allocator, kernels) must not land on the first row
         run_one(cfg, rt, "paged", spec.block_sizes[0], budget, workload[:2], 4)
-    rows, first_tokens = timed_rows(spec, cfg, rt, budget, workload, quiet)
+    if spec.workers == [1] and cfg.parallel.ray_address is None:
+        rows, first_tokens = timed_rows(spec, cfg, rt, budget, workload, quiet)
+    else:
+        from .cluster import parallel_bench_rows
+        rows, first_tokens = parallel_bench_rows(spec, cfg, rt, budget, workload, quiet)
     refs = reference_points(spec, cfg, rt, workload, first_tokens, rows, quiet)
     if spec.profile:
         refs["profile"] = profile_first(spec, cfg, rt, budget, workload)

@@ -72,6 +72,11 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar o
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
 StatsOpt = Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")]
 PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Draw the results into FILE.png or FILE.svg (needs tinyllm[plot]).")]
+WorkersOpt = Annotated[Optional[int], typer.Option("--workers", help="Engine workers on a Ray cluster (1 = in-process).")]
+RayAddressOpt = Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster: 'auto', HOST:PORT or 'local' "
+                                                      "(default: a local instance when --workers > 1).")]
+WorkerCpusOpt = Annotated[Optional[float], typer.Option("--worker-cpus", help="CPUs per Ray worker (its torch threads).")]
+WorkerGpusOpt = Annotated[Optional[float], typer.Option("--worker-gpus", help="GPUs per Ray worker.")]
 
 
 def overrides(**kw) -> dict:
@@ -81,7 +86,9 @@ def overrides(**kw) -> dict:
             "max_prefill_tokens": "scheduler.max_prefill_tokens", "max_new_tokens": "sampling.max_new_tokens",
             "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
             "min_p": "sampling.min_p", "repetition_penalty": "sampling.repetition_penalty",
-            "seed": "sampling.seed", "ignore_eos": "sampling.ignore_eos", "prefix_cache": "cache.prefix_caching"}
+            "seed": "sampling.seed", "ignore_eos": "sampling.ignore_eos", "prefix_cache": "cache.prefix_caching",
+            "workers": "parallel.workers", "ray_address": "parallel.ray_address",
+            "worker_cpus": "parallel.worker_cpus", "worker_gpus": "parallel.worker_gpus"}
     return {keys[k]: v for k, v in kw.items() if k in keys and v is not None}
 
 
@@ -100,12 +107,16 @@ def generate(
     top_p: TopPOpt = None, top_k: TopKOpt = None, min_p: MinPOpt = None, repetition_penalty: RepOpt = None,
     seed: SeedOpt = None, ignore_eos: EosOpt = None, chat: ChatOpt = True, quiet: QuietOpt = False,
     debug: DebugOpt = False, stats_json: StatsOpt = None, prefix_cache: PrefixOpt = None,
+    workers: WorkersOpt = None, ray_address: RayAddressOpt = None, worker_cpus: WorkerCpusOpt = None,
+    worker_gpus: WorkerGpusOpt = None,
 ):
     """Generate completions for a file of prompts; results in input order as JSONL."""
+    from .cluster import check_available
     from .commands import run_generate
     from .config import load_config
     ov = overrides(**locals())
     cfg = load_config(config, ov)
+    check_available(cfg)
     if resume and output in (None, "-"):
         raise UsageError("--resume needs --output FILE (it appends to that file)")
     code = run_generate(cfg, prompts, output, resume, strict, chat, quiet, stats_json)
@@ -126,11 +137,15 @@ def serve_batch(
     max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
     top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None, ignore_eos: EosOpt = None,
     quiet: QuietOpt = False, debug: DebugOpt = False, stats_json: StatsOpt = None, prefix_cache: PrefixOpt = None,
+    workers: WorkersOpt = None, ray_address: RayAddressOpt = None, worker_cpus: WorkerCpusOpt = None,
+    worker_gpus: WorkerGpusOpt = None,
 ):
     """Serve OpenAI Batch API requests as a stream; results in completion order."""
+    from .cluster import check_available
     from .config import load_config
     from .serve import run_serve
     cfg = load_config(config, overrides(**locals()))
+    check_available(cfg)
     if request_rate is not None and request_rate <= 0:
         raise UsageError("--request-rate must be a positive number of requests per second")
     if max_inflight is not None and max_inflight <= 0:
@@ -165,18 +180,27 @@ def bench(
     gemm: GemmOpt = None, quant: QuantOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
     max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
     quiet: QuietOpt = False, debug: DebugOpt = False, plot: PlotOpt = None,
+    workers: Annotated[Optional[str], typer.Option("--workers", help="Comma list of Ray worker counts, e.g. 1,2 "
+                                                   "(1 = in-process); rows report scaling.")] = None,
+    ray_address: RayAddressOpt = None, worker_cpus: WorkerCpusOpt = None, worker_gpus: WorkerGpusOpt = None,
 ):
     """Run one seeded workload per cache kind x block size at equal KV memory; one row each."""
     from .bench import BenchSpec, run_bench
+    from .cluster import check_available, worker_counts
     from .config import load_config
     from .plot import prepare
     prepare(plot)
+    counts = worker_counts(workers)
     cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, quant=quant, num_blocks=num_blocks,
                                          kv_memory=kv_memory, max_num_seqs=max_num_seqs,
-                                         max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens))
+                                         max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
+                                         workers=max(counts), ray_address=ray_address, worker_cpus=worker_cpus,
+                                         worker_gpus=worker_gpus))
+    check_available(cfg)
     spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
                            bench_seed, warmup, chat, cfg, prefix_len, num_prefixes, prefix_modes, baseline, roofline,
                            profile, repeat)
+    spec.workers = counts
     raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet, plot))
 
 

@@ -20,7 +20,8 @@ from .config import Config
 from .errors import Interrupted, TinyLLMError
 from .io import (OrderedWriter, RequestBuilder, Resume, check_prompt_file, id_key, open_output,
                  output_line, read_records, record_id)
-from .report import run_table, stderr_console
+from .cluster import open_cluster, wants_cluster
+from .report import print_worker_table, run_table, stderr_console
 from .runtime import load_runtime, make_engine
 
 
@@ -53,8 +54,11 @@ def run_generate(cfg: Config, prompts: str, output: str | None, resume: bool, st
     total = check_prompt_file(prompts)  # also the number of prompts, for the progress bar
     out, plan = open_output(output, resume, prompts)
     try:
-        rt = load_runtime(cfg, progress=not quiet)
-        engine = make_engine(cfg, rt)
+        if wants_cluster(cfg):
+            rt, engine = open_cluster(cfg, quiet)
+        else:
+            rt = load_runtime(cfg, progress=not quiet)
+            engine = make_engine(cfg, rt)
     except BaseException:
         out.close()
         raise
@@ -83,7 +87,10 @@ def run_generate(cfg: Config, prompts: str, output: str | None, resume: bool, st
         bar.close()
         out.close()
     summary = engine.stats.summary() | rt.facts()
+    if wants_cluster(cfg):
+        engine.close()  # the Ray workers (an interrupted run's are stopped by Ray at exit)
     write_stats_file(stats_json, summary)
     if not quiet:
         stderr_console().print(run_table(summary, title=f"tinyllm generate · {rt.describe()}"))
+        print_worker_table(summary)
     return 1 if strict and failed else 0

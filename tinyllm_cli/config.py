@@ -42,6 +42,15 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """The ``parallel`` section: data-parallel engine workers on a Ray cluster (``cluster.py``)."""
+    workers: int = 1  # 1 without ray_address: the plain in-process engine
+    ray_address: str | None = None  # None: start a local instance when workers > 1; 'auto'; HOST:PORT; 'local'
+    worker_cpus: float = 1.0  # CPUs each worker reserves; also its torch thread count
+    worker_gpus: float = 0.0
+
+
+@dataclass
 class SamplingConfig(SamplingParams):
     """The ``sampling`` section: the defaults every request starts from (the same fields as a
     request's own sampling parameters, which override them per request)."""
@@ -61,9 +70,11 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
-SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "sampling": SamplingConfig}
+SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "sampling": SamplingConfig,
+            "parallel": ParallelConfig}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GEMMS = ("auto", "onednn", "torch")  # see model/gemm.py
 QUANTS = ("none", "gguf")  # see model/quant.py
@@ -255,6 +266,12 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         raise UsageError(f"cache.num_blocks{at('cache.num_blocks', '')} is {c.num_blocks}, fewer than "
                          f"scheduler.max_num_seqs{at('scheduler.max_num_seqs', '')} = {s.max_num_seqs}: every "
                          f"running sequence needs at least one block; raise num_blocks or lower max_num_seqs")
+    par = cfg.parallel
+    if par.workers < 1:
+        raise UsageError(f"parallel.workers{at('parallel.workers', '')} must be at least 1, not {par.workers}")
+    if not par.worker_cpus > 0 or not par.worker_gpus >= 0:
+        raise UsageError(f"parallel.worker_cpus must be > 0 and parallel.worker_gpus >= 0, not "
+                         f"{par.worker_cpus} and {par.worker_gpus}")
     if cfg.dtype not in DTYPES:
         raise UsageError(f"dtype{at('dtype', '')} must be one of {', '.join(DTYPES)}, not {cfg.dtype!r}")
     if cfg.gemm not in GEMMS:

@@ -68,12 +68,39 @@ BENCH_COLUMNS = [
 ]
 
 
+def print_worker_table(s: dict) -> None:
+    """With Ray workers (``cluster.py``): one row per worker under the run table."""
+    if "workers" in s:
+        stderr_console().print(worker_table(s))
+
+
+def worker_table(s: dict) -> Table:
+    failed = ", ".join(f"{w['worker']} ({w['error']})" for w in s["workers"] if w["status"] != "ok")
+    t = Table(title=f"{s['num_workers']} Ray workers · {s['retried_requests']} requests retried on another "
+                    f"worker · failed: {failed or 'none'}", header_style="bold")
+    cols = [("worker", "worker", str), ("host", "host", str), ("pid", "pid", str), ("threads", "threads", str),
+            ("requests", "requests", str), ("failed", "failed_requests", str),
+            ("out tokens", "output_tokens", str), ("out tok/s", "output_tokens_per_s", "{:.1f}".format),
+            ("peak blocks", "peak_blocks_used", str), ("preempt", "preemptions", str),
+            ("retried elsewhere", "retried_elsewhere", str), ("status", "status", str)]
+    for name, _, _ in cols:
+        t.add_column(name, justify="right")
+    for w in s["workers"]:
+        t.add_row(*("-" if w[k] is None else fmt(w[k]) for _, k, fmt in cols))
+    return t
+
+
 def bench_table(rows: list[dict], title: str = "bench") -> Table:
     t = Table(title=title, header_style="bold")
+    parallel = any("workers" in r for r in rows)
+    if parallel:
+        t.add_column("workers", justify="right")
     for name, _, _ in BENCH_COLUMNS:
         t.add_column(name, justify="right")
     t.add_column("TTFT p50 ms", justify="right")
     t.add_column("TPOT p50 ms", justify="right")
+    if parallel:
+        t.add_column("scaling", justify="right")
     for r in rows:
         cells = []
         for _, key, fmt in BENCH_COLUMNS:
@@ -81,6 +108,8 @@ def bench_table(rows: list[dict], title: str = "bench") -> Table:
             cells.append(fmt(v) if callable(fmt) and not isinstance(fmt, str) else
                          (fmt.format(v) if isinstance(fmt, str) and "{" in fmt else str(v)))
         cells += [_ms(r["ttft_s"]["p50"]), _ms(r["tpot_s"]["p50"])]
+        if parallel:
+            cells = [str(r["workers"])] + cells + ["-" if r.get("scaling") is None else f"{r['scaling']:.2f}x"]
         t.add_row(*cells)
     return t
 

@@ -15,7 +15,7 @@ from .cache.kv import CacheError, PagedKVCache, SlotKVCache, parse_bytes, token_
 from .config import Config
 from .engine.engine import LLMEngine
 from .errors import TinyLLMError, UsageError
-from .model.checkpoint import load_checkpoint
+from .model.checkpoint import Checkpoint, load_checkpoint
 from .model.gemm import resolve_gemm
 from .model.llama import LlamaModel, build_model
 from .model.quant import ACT_DTYPE, int4_usable
@@ -81,6 +81,13 @@ def load_runtime(cfg: Config, progress: bool = True) -> Runtime:
     except ValueError as e:
         raise UsageError(str(e))
     ck = load_checkpoint(cfg.model, progress, cfg.quant)
+    return runtime_from_checkpoint(ck, device, dtype, gemm, t0)
+
+
+def runtime_from_checkpoint(ck: Checkpoint, device: torch.device, dtype: torch.dtype, gemm: str,
+                            t0: float) -> Runtime:
+    """Build the model from a loaded checkpoint (in this process, or in a Ray worker that got the
+    checkpoint through the object store)."""
     try:
         model = build_model(ck.config, ck.weights, dtype, str(device), gemm)
     except ValueError as e:

@@ -46,7 +46,8 @@ from .config import Config
 from .engine.request import Request, RequestOutput
 from .errors import Interrupted, TinyLLMError, UsageError
 from .io import RequestBuilder, ResultFile, existing_file, open_output
-from .report import run_table, stderr_console
+from .cluster import open_cluster, wants_cluster
+from .report import print_worker_table, run_table, stderr_console
 from .runtime import load_runtime, make_engine
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -330,9 +331,12 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
     writer = LineWriter(out)
     reader = None
     try:
-        rt = load_runtime(cfg, progress=not quiet)
         seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0
-        engine = make_engine(cfg, rt, seed=seed)
+        if wants_cluster(cfg):
+            rt, engine = open_cluster(cfg, quiet, seed=seed)
+        else:
+            rt = load_runtime(cfg, progress=not quiet)
+            engine = make_engine(cfg, rt, seed=seed)
         builder = RequestBuilder(rt.tokenizer, False, cfg.sampling)
         serve = Server(engine, builder, writer, rt.model_name, request_rate, max_inflight, seed)
         reader = LineReader(src).start()
@@ -354,6 +358,8 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
         "input_lines": serve.lines, "result_lines": writer.written,
         "error_lines": writer.errors, "request_rate": request_rate, "max_inflight": max_inflight,
         "peak_inflight": serve.peak_inflight, "idle_s": round(serve.idle_s, 4)}
+    if wants_cluster(cfg):
+        engine.close()  # the Ray workers
     write_stats_file(stats_json, summary)
     if not quiet:
         table = run_table(summary, title=f"tinyllm serve-batch · {rt.describe()}")
@@ -364,6 +370,7 @@ def run_serve(cfg: Config, input: str, output: str, request_rate: float | None, 
             table.add_row("request rate", f"{request_rate:g} /s (Poisson)")
         table.add_row("idle, waiting for input", f"{serve.idle_s:.2f} s")
         stderr_console().print(table)
+        print_worker_table(summary)
     return 0
 
 

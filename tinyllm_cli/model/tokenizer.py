@@ -97,6 +97,11 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(chat_template)
 
+    def __reduce__(self):
+        # The jinja environment does not pickle; rebuild it from the template's source (this is
+        # how the tokenizer travels to Ray workers with the rest of the checkpoint).
+        return (_rebuild, (self.tok, self.bos_id, self.eos_ids, self.chat_template, self.add_bos, self.eos_token))
+
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
@@ -159,6 +164,11 @@ class Tokenizer:
         eos_token = tok.id_to_token(tid("eos_token")) if tid("eos_token") is not None else None
         return cls(tok, bos_id=bos, eos_ids=eos, chat_template=template, add_bos=bool(add_bos),
                    eos_token=eos_token)
+
+
+def _rebuild(tok, bos_id, eos_ids, chat_template, add_bos, eos_token) -> Tokenizer:
+    return Tokenizer(tok, bos_id=bos_id, eos_ids=eos_ids, chat_template=chat_template, add_bos=add_bos,
+                     eos_token=eos_token)
 
 
 class TextStream:

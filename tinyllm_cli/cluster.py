@@ -1,0 +1,597 @@
+"""Data parallelism on a Ray cluster: N engine workers behind the engine's own contract.
+
+Scale-out sits above the engine. ``ClusterEngine`` offers what the commands use of ``LLMEngine``
+(``add_request`` / ``step`` / ``has_unfinished`` / ``run`` / ``stats``), so ``generate``'s
+ordered writer, ``--resume`` and ``serve-batch``'s completion-order stream stay on the driver,
+unchanged. Each worker is a Ray actor (``EngineWorker``) that owns one ``LLMEngine`` (model, KV
+pool, scheduler) in its own process, possibly on another machine.
+
+Invariants:
+- Pull-based dispatch: the driver holds every request until a worker has room; a worker has at
+  most ``per_worker`` requests in flight, and each reply (sent as soon as one of its requests
+  finishes, or after ``REPLY_S``) brings finished outputs back and takes new requests along.
+- A request is done only when its output reaches the driver. When a worker dies, the requests
+  it held go back to the front of the driver's queue for the other workers; an output is
+  accepted once (its key leaves ``inflight`` when it arrives), so none is lost or doubled.
+- The model reaches workers through the object store (one ``ray.put`` of the checkpoint's
+  config, weights and tokenizer): a worker never opens the checkpoint path.
+- A request without a seed gets the seed the in-process engine would have drawn (same
+  generator, same order), so outputs do not depend on which worker ran them.
+- The local instance we start listens on loopback only (Ray's single-machine mode), with token
+  authentication on and no dashboard or job API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from .config import Config
+from .engine.request import Request, RequestOutput
+from .engine.stats import RunStats
+from .errors import TinyLLMError, UsageError
+
+INSTALL = 'pip install "tinyllm[ray]"'
+REPLY_S = 0.1  # longest a worker computes before replying, so new requests reach it soon
+START_TIMEOUT_S = 300.0  # workers must be up (model built) within this
+POLL_S = 0.2  # ray.wait slices: signals (Ctrl-C) are handled between them
+
+
+def wants_cluster(cfg: Config) -> bool:
+    return cfg.parallel.workers > 1 or cfg.parallel.ray_address is not None
+
+
+def import_ray():
+    """Ray, or one sentence naming the install command (exit 2, before any model loads)."""
+    require_ray()
+    import ray
+    return ray
+
+
+def require_ray() -> None:
+    # Found without importing it: Ray reads its environment (auth mode, loopback mode) at import.
+    import importlib.util
+    try:
+        found = importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UsageError(f"--workers and --ray-address need Ray, which is not installed: {INSTALL}")
+
+
+# ---- the worker (runs in a Ray actor process) --------------------------------------------------
+
+class EngineWorker:
+    """One engine in its own process: built from the checkpoint object, fed by the driver."""
+
+    def __init__(self, ck, cfg: Config, threads: int):
+        import torch
+
+        from .runtime import check_quant, make_engine, resolve_device, resolve_dtype, runtime_from_checkpoint
+        from .model.gemm import resolve_gemm
+        torch.set_num_threads(threads)  # this worker's CPUs, so workers do not oversubscribe cores
+        t0 = time.perf_counter()
+        device = resolve_device(cfg.device)  # this worker's own: the driver may have no GPU
+        dtype = resolve_dtype(cfg.dtype, device, cfg.quant)
+        check_quant(cfg.quant, dtype, device)
+        self.rt = runtime_from_checkpoint(ck, device, dtype, resolve_gemm(cfg.gemm, dtype, device), t0)
+        self.cfg = cfg
+        self.engine = make_engine(cfg, self.rt)
+
+    def info(self) -> dict:
+        import ray
+        import torch
+        return {"pid": os.getpid(), "host": socket.gethostname(), "node_id": ray.get_runtime_context().get_node_id(),
+                "threads": torch.get_num_threads()} | self.rt.facts()
+
+    def reset(self, cfg: Config) -> None:
+        """A fresh engine (new KV pool, empty scheduler) for another run on the same model."""
+        from .runtime import make_engine
+        self.cfg = cfg
+        self.engine = make_engine(cfg, self.rt)
+
+    def advance(self, new: list[Request], budget_s: float) -> list[RequestOutput]:
+        """Queue ``new``, then step until something finishes or ``budget_s`` has passed."""
+        done = [out for req in new if (out := self.engine.add_request(req)) is not None]
+        t_end = time.perf_counter() + budget_s
+        while not done and self.engine.has_unfinished() and time.perf_counter() < t_end:
+            done += self.engine.step()
+        return done
+
+    def summary(self) -> dict:
+        self.engine.stats.end = time.perf_counter()
+        return self.engine.stats.summary()
+
+
+# ---- connecting -------------------------------------------------------------------------------
+
+@dataclass
+class Connection:
+    ray: object
+    local: bool  # we started the instance (and stop it at the end)
+    address: str
+
+
+def connect(address: str | None, num_cpus: float) -> Connection:
+    """Start a local instance (address None or 'local') or join a cluster ('auto', HOST:PORT)."""
+    local = address in (None, "local")
+    if local:
+        # Ray's single-machine mode: every Ray process binds and advertises 127.0.0.1 only. Read
+        # when ray is imported, and inherited by every process of the instance.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray >= 2.52 makes and keeps a token
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")  # Ray's C++ retry warnings are not for users
+    ray = import_ray()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    kw = dict(logging_level=logging.ERROR, log_to_driver=False, include_dashboard=False,
+              configure_logging=True)
+    if not local:
+        kw.pop("include_dashboard")
+    try:
+        with captured_stderr() as log:  # Ray's C++ retry warnings; our one sentence says it
+            if local:
+                ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kw)
+            else:
+                ray.init(address=address, **kw)
+    except Exception as e:  # ConnectionError, auth failures, RuntimeError from raylet start
+        raise TinyLLMError(_connect_error(address, e, log.text)) from e
+    finally:
+        for s, h in handlers.items():  # ray.init installs its own SIGTERM handler; ours must win
+            if h is not None:
+                signal.signal(s, h)
+    return Connection(ray, local, "local instance" if local else address)
+
+
+class captured_stderr:
+    """File descriptor 2 goes to a temporary file for the block (C++ code writes there too);
+    ``text`` holds what was written."""
+
+    def __enter__(self):
+        import sys
+        import tempfile
+        self.text = ""
+        sys.stderr.flush()
+        self.tmp = tempfile.TemporaryFile()
+        self.saved = os.dup(2)
+        os.dup2(self.tmp.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.tmp.seek(0)
+        self.text = self.tmp.read().decode("utf-8", "replace")
+        self.tmp.close()
+        return False
+
+
+def _connect_error(address: str | None, e: Exception, log: str) -> str:
+    text = " ".join(str(e).split())[:300]
+    where = "start a local Ray instance" if address in (None, "local") else f"join the Ray cluster at {address}"
+    said = (text + log).lower()
+    if "invalidauthtoken" in said or "unauthenticated" in said or "authentication" in said:
+        return (f"cannot {where}: it refused this driver's credentials (the cluster uses token "
+                f"authentication: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)")
+    return f"cannot {where}: {text}"
+
+
+# ---- the driver's view of its workers ---------------------------------------------------------
+
+@dataclass
+class WorkerSlot:
+    index: int
+    handle: object
+    info: dict = field(default_factory=dict)
+    inflight: dict = field(default_factory=dict)  # key -> Request sent, output not yet back
+    call: object = None  # the outstanding advance() reference, if any
+    alive: bool = True
+    error: str | None = None
+    requests: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    handed_back: int = 0  # requests given to other workers after this one died
+    summary: dict | None = None
+
+
+class WorkerPool:
+    """N ``EngineWorker`` actors built from one checkpoint object; torn down by ``close``."""
+
+    def __init__(self, conn: Connection, ck, cfg: Config):
+        ray, par = conn.ray, cfg.parallel
+        self.conn, self.cfg = conn, cfg
+        self._check_resources(ray, par)
+        ref = ray.put(ck)  # the model travels through the object store, never as a path
+        cls = ray.remote(EngineWorker)
+        threads = max(1, int(par.worker_cpus))
+        opts = dict(num_cpus=par.worker_cpus, num_gpus=par.worker_gpus, max_restarts=0,
+                    scheduling_strategy="SPREAD")
+        self.slots = [WorkerSlot(i, cls.options(**opts).remote(ref, cfg, threads)) for i in range(par.workers)]
+        self._await_ready(ray)
+
+    def _check_resources(self, ray, par) -> None:
+        res = ray.cluster_resources()
+        need = {"CPU": par.workers * par.worker_cpus, "GPU": par.workers * par.worker_gpus}
+        for name, n in need.items():
+            if n and res.get(name, 0) < n:
+                raise TinyLLMError(f"{par.workers} workers need {n:g} {name}s but the Ray cluster has "
+                                   f"{res.get(name, 0):g}; lower --workers, --worker-cpus or --worker-gpus")
+
+    def _await_ready(self, ray) -> None:
+        refs = {s.handle.info.remote(): s for s in self.slots}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            for r in ready:
+                try:
+                    refs[r].info = ray.get(r)
+                except ray.exceptions.RayError as e:
+                    why = getattr(e, "cause", None) or e  # the worker's own exception, not Ray's wrapper
+                    raise TinyLLMError(f"a Ray worker could not build the engine: {_first_line(why)}") from e
+            if pending and time.monotonic() > deadline:
+                raise TinyLLMError(f"{len(pending)} of {len(self.slots)} Ray workers did not start within "
+                                   f"{START_TIMEOUT_S:.0f} s")
+
+    def reset(self, cfg: Config) -> None:
+        ray = self.conn.ray
+        ray.get([s.handle.reset.remote(cfg) for s in self.slots if s.alive])
+        for s in self.slots:
+            s.inflight.clear()
+            s.call = None
+            s.requests = s.failed = s.prompt_tokens = s.output_tokens = s.handed_back = 0
+            s.summary = None
+
+    def close(self) -> None:
+        ray = self.conn.ray
+        for s in self.slots:
+            try:
+                ray.kill(s.handle)
+            except Exception:  # already dead
+                pass
+        ray.shutdown()  # a local instance stops with it
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+
+
+# ---- the engine the commands drive --------------------------------------------------------------
+
+class ClusterEngine:
+    """``LLMEngine``'s surface over a ``WorkerPool``: requests in, finished outputs out."""
+
+    def __init__(self, pool: WorkerPool, per_worker: int, seed: int = 0):
+        self.pool, self.ray = pool, pool.conn.ray
+        self.per_worker = per_worker
+        self.pending: deque[tuple[int, Request]] = deque()  # (key, request) not yet sent
+        self.requests: dict[int, Request] = {}  # key -> the caller's request, until its output arrives
+        self._key = 0
+        self._rng = random.Random(seed)  # the in-process engine's seed stream, drawn in the same order
+        self.retried = 0
+        cfg = pool.cfg
+        self.stats = ClusterStats(cfg.cache.kind, cfg.cache.block_size, 0, 0, cfg.scheduler.max_num_seqs, pool=pool)
+
+    # ---- requests in ------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> RequestOutput | None:
+        if req.params.seed is None:
+            seed = self._rng.getrandbits(63)
+            req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seed))
+        else:
+            self._rng.getrandbits(63)  # the in-process engine draws for every request
+        self._key += 1
+        self.requests[self._key] = req
+        self.pending.append((self._key, req))
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def run(self, requests: Iterable[Request], max_pending: int | None = None) -> Iterator[RequestOutput]:
+        """As ``LLMEngine.run``: feed lazily (at most ``max_pending`` held) and yield as they finish."""
+        limit = max_pending or self.per_worker * len(self.pool.slots) * 2
+        it = iter(requests)
+        exhausted = False
+        while True:
+            while not exhausted and len(self.pending) < limit:
+                req = next(it, None)
+                if req is None:
+                    exhausted = True
+                    break
+                self.add_request(req)
+            if not self.has_unfinished():
+                if exhausted:
+                    break
+                continue
+            yield from self.step()
+        self.stats.end = time.perf_counter()
+
+    # ---- one round: top up every worker, wait for a reply ----------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self._dispatch()
+        calls = {s.call: s for s in self.pool.slots if s.alive and s.call is not None}
+        if not calls:
+            return []
+        ready, _ = self.ray.wait(list(calls), num_returns=1, timeout=POLL_S)
+        done: list[RequestOutput] = []
+        for ref in ready:
+            done += self._collect(calls[ref], ref)
+        return done
+
+    def _dispatch(self) -> None:
+        """Give every live worker without an outstanding call its next batch: queued requests go
+        one at a time to the least loaded of them (up to ``per_worker`` each), then each worker
+        that has anything in flight gets a call (which may bring no new requests)."""
+        live = [s for s in self.pool.slots if s.alive]
+        if not live and self.requests:
+            raise TinyLLMError(f"every Ray worker is gone ({self._deaths()}); {len(self.requests)} "
+                               f"requests were not finished")
+        idle = [s for s in live if s.call is None]
+        batches: dict[int, list[Request]] = {s.index: [] for s in idle}
+        while self.pending:
+            room = [s for s in idle if len(s.inflight) < self.per_worker]
+            if not room:
+                break
+            s = min(room, key=lambda s: len(s.inflight))
+            key, req = self.pending.popleft()
+            s.inflight[key] = req
+            batches[s.index].append(dataclasses.replace(req, id=key))  # the key names it on the way back
+        for s in idle:
+            if s.inflight:
+                s.call = s.handle.advance.remote(batches[s.index], REPLY_S)
+
+    def _collect(self, s: WorkerSlot, ref) -> list[RequestOutput]:
+        s.call = None
+        try:
+            outs = self.ray.get(ref)
+        except self.ray.exceptions.RayError as e:
+            self._lost(s, e)
+            return []
+        done = []
+        for out in outs:
+            req = s.inflight.pop(out.id, None)
+            if req is None or self.requests.pop(out.id, None) is None:
+                continue  # not ours any more: never accept an output twice
+            out.id = req.id
+            s.requests += 1
+            s.failed += out.finish_reason == "error" and not out.token_ids
+            s.prompt_tokens += len(out.prompt_token_ids) if out.token_ids else 0
+            s.output_tokens += len(out.token_ids)
+            self.stats.record_request(out)
+            done.append(out)
+        return done
+
+    def _lost(self, s: WorkerSlot, e: BaseException) -> None:
+        """A worker died: what it held goes back to the front of the queue, in input order."""
+        s.alive = False
+        s.error = _first_line(e)
+        back = sorted(s.inflight.items(), key=lambda kv: (kv[1].index, kv[0]))
+        s.handed_back = len(back)
+        self.retried += len(back)
+        for item in reversed(back):
+            self.pending.appendleft(item)
+        s.inflight.clear()
+
+    def _deaths(self) -> str:
+        dead = [f"worker {s.index} ({s.error})" for s in self.pool.slots if not s.alive]
+        return "; ".join(dead)[:400]
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+@dataclass
+class ClusterStats(RunStats):
+    """Totals from the outputs the driver received (``RunStats``), plus each worker's own
+    engine summary for the cache figures."""
+
+    pool: object = None
+
+    def summary(self) -> dict:
+        """The run table's keys (cache figures summed or maxed over workers) plus ``workers``."""
+        ray = self.pool.conn.ray
+        if self.end is None:
+            self.end = time.perf_counter()
+        for s in self.pool.slots:
+            if s.alive and s.summary is None:
+                try:
+                    s.summary = ray.get(s.handle.summary.remote(), timeout=30)
+                except Exception as e:  # died after its last reply
+                    s.alive, s.error = False, _first_line(e)
+        out = super().summary()
+        got = [s.summary for s in self.pool.slots if s.summary]
+        if got:
+            out |= merge_worker_summaries(got, out["elapsed_s"])
+        el = max(out["elapsed_s"], 1e-9)
+        out["workers"] = [worker_row(s, el) for s in self.pool.slots]
+        out["num_workers"] = len(self.pool.slots)
+        out["retried_requests"] = sum(s.handed_back for s in self.pool.slots)
+        out["failed_workers"] = [s.index for s in self.pool.slots if not s.alive]
+        return out
+
+
+def merge_worker_summaries(sums: list[dict], elapsed: float) -> dict:
+    """Cache and scheduler figures over all workers (each worker has its own pool)."""
+    def total(k):
+        return sum(x[k] for x in sums)
+
+    def most(k):
+        return max(x[k] for x in sums)
+
+    first = sums[0]
+    q, h = total("prefix_cache_queries"), total("prefix_cache_hits")
+    forward = total("forward_s")
+    return {
+        "cache_kind": first["cache_kind"], "block_size": first["block_size"], "num_blocks": first["num_blocks"],
+        "kv_bytes": first["kv_bytes"], "steps": total("steps"), "peak_running": total("peak_running"),
+        "peak_blocks_used": most("peak_blocks_used"),
+        "mean_block_utilization": round(sum(x["mean_block_utilization"] for x in sums) / len(sums), 4),
+        "peak_block_utilization": most("peak_block_utilization"),
+        "mean_wasted_slots": round(sum(x["mean_wasted_slots"] for x in sums) / len(sums), 2),
+        "peak_wasted_slots": most("peak_wasted_slots"),
+        "preemptions": total("preemptions"), "recomputed_tokens": total("recomputed_tokens"),
+        "prefill_tokens": total("prefill_tokens"), "decode_tokens": total("decode_tokens"),
+        "prefix_caching": first["prefix_caching"], "prefix_cache_queries": q, "prefix_cache_hits": h,
+        "prefix_cache_hit_rate": round(h / q, 4) if q else 0.0, "prefill_tokens_skipped": h,
+        "peak_shared_refs": most("peak_shared_refs"), "forward_s": round(forward, 4),
+        # Wall time of all workers together that was not a forward pass (dispatch, transfers, idling).
+        "engine_overhead_frac": round(max(0.0, 1 - forward / max(elapsed * len(sums), 1e-9)), 4),
+    }
+
+
+def worker_row(s: WorkerSlot, elapsed: float) -> dict:
+    sm = s.summary or {}
+    return {"worker": s.index, "node_id": s.info.get("node_id"), "host": s.info.get("host"),
+            "pid": s.info.get("pid"), "threads": s.info.get("threads"), "requests": s.requests,
+            "failed_requests": s.failed, "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
+            "output_tokens_per_s": round(s.output_tokens / elapsed, 2),
+            "peak_blocks_used": sm.get("peak_blocks_used"), "preemptions": sm.get("preemptions"),
+            "status": "ok" if s.alive else "died", "error": s.error, "retried_elsewhere": s.handed_back}
+
+
+# ---- what the commands call -----------------------------------------------------------------------
+
+@dataclass
+class DriverModel:
+    """What the driver knows of the model without building it: its config and matmul path."""
+    cfg: object
+    gemm: str
+
+
+@dataclass
+class DriverRuntime:
+    """``Runtime``'s read-only surface on the driver (tokenizer, names, facts) for the commands."""
+    model: DriverModel
+    tokenizer: object
+    model_name: str
+    device: str
+    dtype: str
+    load_s: float
+
+    def facts(self) -> dict:
+        return {"model": self.model_name, "load_s": round(self.load_s, 3), "dtype": self.dtype,
+                "gemm": self.model.gemm, "device": self.device}
+
+    def describe(self) -> str:
+        return f"{self.model_name} · {self.dtype} · gemm {self.model.gemm} · {self.device}"
+
+
+def start_pool(cfg: Config, quiet: bool) -> tuple[DriverRuntime, WorkerPool]:
+    """Connect, read the checkpoint once, start the workers; the caller closes the pool."""
+    from .model.checkpoint import load_checkpoint
+    par = cfg.parallel
+    require_ray()  # the missing extra is a usage error before anything loads
+    t0 = time.perf_counter()
+    conn = connect(par.ray_address, par.workers * par.worker_cpus)
+    try:
+        ck = load_checkpoint(cfg.model, not quiet, cfg.quant)
+        pool = WorkerPool(conn, ck, cfg)
+    except BaseException:
+        conn.ray.shutdown()
+        raise
+    info = pool.slots[0].info
+    rt = DriverRuntime(DriverModel(ck.config, info["gemm"]), ck.tokenizer, ck.name,
+                       f"{info['device']} x {par.workers} Ray workers", info["dtype"], time.perf_counter() - t0)
+    return rt, pool
+
+
+def open_cluster(cfg: Config, quiet: bool, seed: int = 0) -> tuple[DriverRuntime, "ClusterEngine"]:
+    """The commands' engine when ``parallel.workers`` > 1 or a Ray address is given (see
+    ``wants_cluster``); the caller calls ``engine.close()`` after reading its stats."""
+    rt, pool = start_pool(cfg, quiet)
+    return rt, ClusterEngine(pool, per_worker=cfg.scheduler.max_num_seqs, seed=seed)
+
+
+def worker_counts(text: str | None) -> list[int]:
+    """bench's ``--workers 1,2``: positive worker counts, in the order given."""
+    if text is None:
+        return [1]
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 for n in counts):
+        raise UsageError(f"--workers takes a comma list of positive worker counts, e.g. 1,2, not {text!r}")
+    return counts
+
+
+def check_available(cfg: Config) -> None:
+    """Called right after the config is read: a missing Ray is a usage error before anything runs."""
+    if wants_cluster(cfg):
+        require_ray()
+
+
+# ---- bench --workers 1,2 ------------------------------------------------------------------------
+
+def parallel_bench_rows(spec, cfg: Config, rt, budget: int, workload, quiet: bool) -> tuple[list[dict], list]:
+    """bench's rows once per worker count: 1 (without --ray-address) is the in-process engine,
+    N > 1 a pool of N Ray workers; each row gets ``workers`` and ``scaling`` (its total tok/s
+    over the same configuration's 1-worker row)."""
+    from .bench import timed_rows
+    rows, first_tokens = [], []
+    for w in spec.workers:
+        if w == 1 and cfg.parallel.ray_address is None:
+            got, first_tokens = timed_rows(spec, cfg, rt, budget, workload, quiet)
+            got = [r | {"workers": 1, "worker_threads": _threads()} for r in got]
+        else:
+            wcfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, workers=w))
+            got = _cluster_rows(spec, wcfg, rt, budget, workload, quiet)
+        rows += got
+    base = {(r["cache_kind"], r["block_size"], r["prefix_caching"]): r for r in rows if r["workers"] == 1}
+    for r in rows:
+        b = base.get((r["cache_kind"], r["block_size"], r["prefix_caching"]))
+        r["scaling"] = round(r["total_tokens_per_s"] / b["total_tokens_per_s"], 3) if b else None
+    return rows, first_tokens
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def _cluster_rows(spec, cfg: Config, rt, budget: int, workload, quiet: bool) -> list[dict]:
+    from .bench import requests_for
+    _, pool = start_pool(cfg, quiet)
+    try:
+        def one(kind, bs, pc, prompts, output_len):
+            c = dataclasses.replace(cfg.cache, kind=kind, block_size=bs or cfg.cache.block_size, num_blocks=None,
+                                    kv_memory=str(budget), prefix_caching=pc)
+            pool.reset(dataclasses.replace(cfg, cache=c))
+            engine = ClusterEngine(pool, per_worker=cfg.scheduler.max_num_seqs)
+            outs = list(engine.run(requests_for(prompts, output_len)))
+            bad = [o for o in outs if o.finish_reason == "error"]
+            if bad:
+                raise TinyLLMError(f"bench request {bad[0].id} failed on the {kind} cache: {bad[0].error}")
+            return engine.stats.summary()
+
+        if spec.warmup:  # every worker's first-call costs, off the clock
+            one("paged", spec.block_sizes[0], True, workload[:2 * len(pool.slots)], 4)
+        combos = spec.combos()
+        runs: list[list[dict]] = [[] for _ in combos]
+        for _ in range(spec.repeat):
+            for i, (kind, bs, pc) in enumerate(combos):
+                runs[i].append(one(kind, bs, pc, workload, spec.output_len))
+    finally:
+        pool.close()
+    rows = []
+    for done in runs:
+        median = sorted(done, key=lambda d: d["elapsed_s"])[(len(done) - 1) // 2]
+        rows.append(median | rt.facts() | {
+            "num_prompts": len(workload), "output_len": spec.output_len,
+            "mean_input_len": round(sum(map(len, workload)) / len(workload), 1), "repeats": spec.repeat,
+            "elapsed_s_runs": [d["elapsed_s"] for d in done], "workers": cfg.parallel.workers,
+            "worker_threads": pool.slots[0].info.get("threads"), "device": pool.slots[0].info.get("device")})
+    return rows
