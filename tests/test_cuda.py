@@ -20,7 +20,7 @@ from tinyllm_cli.model.checkpoint import load_checkpoint
 from tinyllm_cli.model.llama import build_model
 
 from test_engine import make_requests, preempting_blocks, reference_greedy
-from test_host_sync import mixed_requests
+from test_host_sync import logprob_requests, mixed_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = "cuda"
@@ -68,11 +68,27 @@ def test_bf16_engine_runs_on_cuda(llama_dir):
     assert len(outs) == 7 and all(o.finish_reason == "length" and o.token_ids for o in outs)
 
 
-def test_no_blocking_sync_on_cuda(llama_dir):
+@pytest.mark.parametrize("kind", ["paged", "slot"])
+def test_forks_match_no_cache_reference_on_cuda(llama_dir, tiny_model, kind):
+    model = _model(llama_dir)
+    reqs = make_requests(n=4, lens=(3, 21), new=(5, 12))
+    for r in reqs:
+        r.params.n = 3
+    refs = [[reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens)] * 3 for r in reqs]
+    cache = (PagedKVCache(model.cfg, 24, 4, torch.float32, CUDA) if kind == "paged"
+             else SlotKVCache(model.cfg, 6, 64, torch.float32, CUDA))
+    eng = LLMEngine(model, cache, None, max_num_seqs=12, max_prefill_tokens=16)
+    outs = sorted(eng.run(reqs), key=lambda o: o.index)
+    assert [[c.token_ids for c in o.completions] for o in outs] == refs
+    assert eng.stats.summary()["cow_copies"] > 0
+
+
+@pytest.mark.parametrize("requests", [mixed_requests, logprob_requests])
+def test_no_blocking_sync_on_cuda(llama_dir, requests):
     model = _model(llama_dir, torch.bfloat16)
     cache = PagedKVCache(model.cfg, 64, 4, torch.bfloat16, CUDA)
     eng = LLMEngine(model, cache, None, max_num_seqs=4, max_prefill_tokens=16)
-    for r in mixed_requests():
+    for r in requests():
         eng.add_request(r)
     eng.step()  # first-call set-up (cuBLAS handles, generators) may synchronise
     steps = 0

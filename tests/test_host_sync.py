@@ -5,6 +5,7 @@ PyTorch's sync debug mode."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tinyllm_cli.cache.kv import PagedKVCache
@@ -24,7 +25,19 @@ def mixed_requests(n=6):
             for i in range(n)]
 
 
-def test_one_readback_per_step(tiny_model, monkeypatch):
+def logprob_requests():
+    """The same mix with parallel sampling, per-token and prompt log-probabilities: all of it
+    rides in the step's one readback."""
+    reqs = mixed_requests()
+    for i, r in enumerate(reqs):
+        r.params.n = 1 + i % 3
+        r.params.logprobs = [None, 3, True][i % 3]
+        r.params.prompt_logprobs = 2 if i % 2 else None
+    return reqs
+
+
+@pytest.mark.parametrize("requests", [mixed_requests, logprob_requests])
+def test_one_readback_per_step(tiny_model, monkeypatch, requests):
     cache = PagedKVCache(tiny_model.cfg, 64, 4, torch.float32, "cpu")
     eng = LLMEngine(tiny_model, cache, None, max_num_seqs=4, max_prefill_tokens=16)
     calls: list[str] = []
@@ -35,7 +48,7 @@ def test_one_readback_per_step(tiny_model, monkeypatch):
             calls.append(_name)
             return _original(self, *a, **kw)
         monkeypatch.setattr(torch.Tensor, name, counted)
-    for r in mixed_requests():
+    for r in requests():
         eng.add_request(r)
     steps = 0
     while eng.has_unfinished():

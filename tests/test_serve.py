@@ -132,7 +132,7 @@ def test_error_lines_and_the_rest_answered(capsys, tmp_path, llama_dir):
         line("ok-1", prompt=ids(3)),  # duplicate
         line("too-long", prompt=ids(40)),  # max_model_len is 32
         line("bad-temp", prompt=ids(3), temperature="hot"),
-        line("n2", prompt=ids(3), n=2),
+        line("n0", prompt=ids(3), n=0),
         line("stream", prompt=ids(3), stream=True),
         line("bad-prompt", prompt=[[1, 2], [3]]),
         line("no-chat-template", url=CHAT, messages=[{"role": "user", "content": "hi"}]),
@@ -155,10 +155,10 @@ def test_error_lines_and_the_rest_answered(capsys, tmp_path, llama_dir):
     assert cids["bad-url"]["error"]["code"] == "invalid_url"
     assert "max_model_len" in cids["too-long"]["error"]["message"]
     assert "temperature" in cids["bad-temp"]["error"]["message"]
-    assert "n = 1" in cids["n2"]["error"]["message"]
+    assert "n must be an integer >= 1" in cids["n0"]["error"]["message"]
     assert "stream" in cids["stream"]["error"]["message"]
     assert "vocabulary" in cids["oov"]["error"]["message"]
-    for cid in ("too-long", "bad-temp", "n2", "stream", "bad-prompt", "no-chat-template", "oov", "no-body"):
+    for cid in ("too-long", "bad-temp", "n0", "stream", "bad-prompt", "no-chat-template", "oov", "no-body"):
         assert cids[cid]["error"]["code"] == "invalid_request", cid
     assert [r for r in errors if r["id"] == "batch_req_13"][0]["custom_id"] is None  # no custom_id
     assert [r for r in errors if r["id"] == "batch_req_5"][0]["custom_id"] is None  # the duplicate

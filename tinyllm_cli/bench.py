@@ -4,6 +4,9 @@ Invariants:
 - Every run gets the identical list of prompt ids and output lengths (greedy, ``ignore_eos``),
   so runs differ only in the cache; the slot cache gets exactly the paged cache's KV bytes.
 - The model is loaded once; each run builds a fresh cache and engine.
+- ``--n 1,4`` runs every row once per n: each prompt asks for n completions (greedy, so the n
+  are identical; what differs is memory: the paged cache shares the prompt's blocks among the n
+  forks, the slot cache copies the prompt into one slot per fork).
 """
 
 from __future__ import annotations
@@ -46,12 +49,13 @@ class BenchSpec:
     profile: bool = False
     repeat: int = 1
     workers: list[int] = dataclasses.field(default_factory=lambda: [1])  # Ray worker counts (cluster.py)
+    n_values: tuple[int, ...] = (1,)
 
     @classmethod
     def parse(cls, block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts, seed,
               warmup, chat, cfg: Config, prefix_len: int = 0, num_prefixes: int = 1,
               prefix_cache: str = "on", baseline: str | None = None, roofline: bool = False,
-              profile: bool = False, repeat: int = 1) -> "BenchSpec":
+              profile: bool = False, repeat: int = 1, n_values: str | None = None) -> "BenchSpec":
         sizes = _int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
         kinds = [c.strip() for c in caches.split(",") if c.strip()]
         bad = [k for k in kinds if k not in ("paged", "slot")]
@@ -70,17 +74,19 @@ class BenchSpec:
             raise UsageError(f"--repeat must be at least 1, not {repeat}")
         if baseline not in (None, "hf"):
             raise UsageError(f"--baseline takes hf (transformers generate), not {baseline!r}")
+        ns = tuple(_int_list(n_values, "--n")) if n_values else (1,)
         return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat,
                    prefix_len, num_prefixes, tuple(modes[m] for m in picked), baseline, roofline, profile,
-                   repeat)
+                   repeat, ns)
 
-    def combos(self) -> list[tuple[str, int, bool]]:
+    def combos(self) -> list[tuple[str, int, bool, int]]:
         out = []
-        for kind in self.caches:
-            if kind == "slot":
-                out.append(("slot", 0, False))  # one row: no block size, no prefix sharing
-            else:
-                out += [("paged", b, pc) for b in self.block_sizes for pc in self.prefix_modes]
+        for n in self.n_values:
+            for kind in self.caches:
+                if kind == "slot":
+                    out.append(("slot", 0, False, n))  # one row: no block size, no prefix sharing
+                else:
+                    out += [("paged", b, pc, n) for b in self.block_sizes for pc in self.prefix_modes]
         return out
 
 
@@ -139,20 +145,20 @@ def prompts_from_file(path: str, rt: Runtime, cfg: Config, chat: bool) -> list[l
     return out
 
 
-def requests_for(workload: list[list[int]], output_len: int) -> list[Request]:
-    return [Request(str(i), ids, SamplingParams(max_new_tokens=output_len, ignore_eos=True), index=i)
+def requests_for(workload: list[list[int]], output_len: int, n: int = 1) -> list[Request]:
+    return [Request(str(i), ids, SamplingParams(max_new_tokens=output_len, ignore_eos=True, n=n), index=i)
             for i, ids in enumerate(workload)]
 
 
 def run_one(cfg: Config, rt: Runtime, kind: str, block_size: int, budget: int,
             workload: list[list[int]], output_len: int, prefix_caching: bool = False,
-            tokens_out: list | None = None, profile_into: dict | None = None) -> dict:
+            tokens_out: list | None = None, profile_into: dict | None = None, n: int = 1) -> dict:
     """One engine run of the workload; its stats summary. ``profile_into``: run it under the
     profiler (cache allocation stays outside) and put the breakdown there."""
     c = dataclasses.replace(cfg.cache, kind=kind, block_size=block_size or cfg.cache.block_size,
                             num_blocks=None, kv_memory=str(budget), prefix_caching=prefix_caching)
     engine = make_engine(dataclasses.replace(cfg, cache=c), rt)
-    reqs = requests_for(workload, output_len)
+    reqs = requests_for(workload, output_len, n)
     if profile_into is None:
         outs = list(engine.run(reqs))
     else:
@@ -165,7 +171,7 @@ def run_one(cfg: Config, rt: Runtime, kind: str, block_size: int, budget: int,
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
         raise TinyLLMError(f"bench request {failed[0].id} failed on the {kind} cache: {failed[0].error}")
-    return engine.stats.summary()
+    return engine.stats.summary() | {"n": n}
 
 
 def timed_rows(spec: BenchSpec, cfg: Config, rt: Runtime, budget: int, workload, quiet: bool):
@@ -176,9 +182,9 @@ def timed_rows(spec: BenchSpec, cfg: Config, rt: Runtime, budget: int, workload,
     first_tokens: list = []
     bar = tqdm(total=len(combos) * spec.repeat, desc="bench", unit="run", file=sys.stderr, disable=quiet)
     for r in range(spec.repeat):
-        for i, (kind, bs, pc) in enumerate(combos):
+        for i, (kind, bs, pc, n) in enumerate(combos):
             runs[i].append(run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc,
-                                   tokens_out=first_tokens if (r, i) == (0, 0) else None))
+                                   tokens_out=first_tokens if (r, i) == (0, 0) else None, n=n))
             bar.update(1)
     bar.close()
     rows = []
@@ -254,9 +260,9 @@ def reference_points(spec: BenchSpec, cfg: Config, rt: Runtime, workload, first_
 
 def profile_first(spec: BenchSpec, cfg: Config, rt: Runtime, budget: int, workload) -> dict:
     """An extra, profiled run of the first row's configuration (see ``profiling.py``)."""
-    kind, bs, pc = spec.combos()[0]
+    kind, bs, pc, n = spec.combos()[0]
     prof: dict = {}
-    summary = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc, profile_into=prof)
+    summary = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc, profile_into=prof, n=n)
     return prof | {"run": f"{kind}/{summary['block_size']}", "phases_s": summary["phases_s"],
                    "engine_overhead_frac": summary["engine_overhead_frac"]}
 

@@ -64,6 +64,10 @@ TopKOpt = Annotated[Optional[int], typer.Option(help="0 = off.")]
 MinPOpt = Annotated[Optional[float], typer.Option()]
 RepOpt = Annotated[Optional[float], typer.Option(help="1.0 = off.")]
 SeedOpt = Annotated[Optional[int], typer.Option(help="Sampling seed (per request streams derive from it).")]
+NOpt = Annotated[Optional[int], typer.Option("--n", help="Completions per prompt (the prompt is prefilled once).")]
+LogprobsOpt = Annotated[Optional[int], typer.Option("--logprobs", help="Report each output token's logprob and K alternatives (0-20).")]
+PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs",
+                                                          help="Report each prompt token's logprob and K alternatives (0-20).")]
 PrefixOpt = Annotated[Optional[bool], typer.Option("--prefix-cache/--no-prefix-cache",
                                                    help="Reuse K/V of shared prompt prefixes (paged; default on).")]
 EosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="Keep generating past EOS.")]
@@ -88,7 +92,8 @@ def overrides(**kw) -> dict:
             "min_p": "sampling.min_p", "repetition_penalty": "sampling.repetition_penalty",
             "seed": "sampling.seed", "ignore_eos": "sampling.ignore_eos", "prefix_cache": "cache.prefix_caching",
             "workers": "parallel.workers", "ray_address": "parallel.ray_address",
-            "worker_cpus": "parallel.worker_cpus", "worker_gpus": "parallel.worker_gpus"}
+            "worker_cpus": "parallel.worker_cpus", "worker_gpus": "parallel.worker_gpus",
+            "n": "sampling.n", "logprobs": "sampling.logprobs", "prompt_logprobs": "sampling.prompt_logprobs"}
     return {keys[k]: v for k, v in kw.items() if k in keys and v is not None}
 
 
@@ -109,6 +114,7 @@ def generate(
     debug: DebugOpt = False, stats_json: StatsOpt = None, prefix_cache: PrefixOpt = None,
     workers: WorkersOpt = None, ray_address: RayAddressOpt = None, worker_cpus: WorkerCpusOpt = None,
     worker_gpus: WorkerGpusOpt = None,
+    n: NOpt = None, logprobs: LogprobsOpt = None, prompt_logprobs: PromptLogprobsOpt = None,
 ):
     """Generate completions for a file of prompts; results in input order as JSONL."""
     from .cluster import check_available
@@ -139,6 +145,7 @@ def serve_batch(
     quiet: QuietOpt = False, debug: DebugOpt = False, stats_json: StatsOpt = None, prefix_cache: PrefixOpt = None,
     workers: WorkersOpt = None, ray_address: RayAddressOpt = None, worker_cpus: WorkerCpusOpt = None,
     worker_gpus: WorkerGpusOpt = None,
+    n: NOpt = None, logprobs: LogprobsOpt = None, prompt_logprobs: PromptLogprobsOpt = None,
 ):
     """Serve OpenAI Batch API requests as a stream; results in completion order."""
     from .cluster import check_available
@@ -176,6 +183,7 @@ def bench(
     roofline: Annotated[bool, typer.Option("--roofline", help="Measure GEMM FLOP/s on the model's shapes; report fractions.")] = False,
     repeat: Annotated[int, typer.Option(help="Runs per row (round robin); rows report the median run.")] = 1,
     profile: Annotated[bool, typer.Option("--profile", help="Rerun the first row under torch.profiler; show where the time goes.")] = False,
+    n_values: Annotated[Optional[str], typer.Option("--n", help="Comma list of completions per prompt, e.g. 1,4: one row each.")] = None,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
     gemm: GemmOpt = None, quant: QuantOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
     max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
@@ -199,7 +207,7 @@ def bench(
     check_available(cfg)
     spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
                            bench_seed, warmup, chat, cfg, prefix_len, num_prefixes, prefix_modes, baseline, roofline,
-                           profile, repeat)
+                           profile, repeat, n_values)
     spec.workers = counts
     raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet, plot))
 
@@ -219,7 +227,7 @@ def inspect_blocks(
     gemm: GemmOpt = None, quant: QuantOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
     max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None, chat: ChatOpt = False,
     quiet: QuietOpt = False, debug: DebugOpt = False, prefix_cache: PrefixOpt = None,
-    max_prefill_tokens: PrefillOpt = None, stats_json: StatsOpt = None, plot: PlotOpt = None,
+    max_prefill_tokens: PrefillOpt = None, stats_json: StatsOpt = None, plot: PlotOpt = None, n: NOpt = None,
 ):
     """Show the paged cache's block map, block tables, free list and timeline."""
     from .config import load_config
@@ -230,11 +238,11 @@ def inspect_blocks(
                                          num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, cache="paged", ignore_eos=True,
                                          max_new_tokens=output_len, prefix_cache=prefix_cache,
-                                         max_prefill_tokens=max_prefill_tokens),
+                                         max_prefill_tokens=max_prefill_tokens, n=n),
                       # a pool small enough to read as a map (and to see preemption), unless sized by the user
                       command_defaults={"cache.num_blocks": 64})
     raise typer.Exit(run_inspect(cfg, prompts, num_prompts, input_len, output_len, range_ratio, at,
-                                 json_out, chat, quiet, stats_json, plot))
+                                 json_out, chat, quiet, stats_json, plot, cfg.sampling.n))
 
 
 # ---- plot ----------------------------------------------------------------------------------

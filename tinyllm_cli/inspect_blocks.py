@@ -42,7 +42,7 @@ def snapshot(engine, step: int) -> dict:
         n, bs = cache.lens[sid], cache.block_size
         seq = by_id.get(sid)
         tables.append({"seq_id": sid, "request_id": seq.request.id if seq else None,
-                       "tokens": n, "blocks": list(table),
+                       "fork": seq.fork if seq else None, "tokens": n, "blocks": list(table),
                        "last_block_fill": (n - (len(table) - 1) * bs) if table else 0,
                        "slots_allocated": len(table) * bs})
     u = cache.usage()
@@ -52,7 +52,9 @@ def snapshot(engine, step: int) -> dict:
         for b in table:
             holders.setdefault(b, []).append(sid)
     shared = [{"block": b, "refs": refs[b], "seq_ids": sorted(h)} for b, h in sorted(holders.items()) if len(h) > 1]
-    return {"step": step, "refs": refs, "shared_blocks": shared,
+    forks = {"forks": cache.forks, "cow_copies": cache.cow_copies, "fork_shared_blocks": u.fork_shared_blocks,
+             "fork_refs": u.fork_refs}
+    return {"step": step, "refs": refs, "shared_blocks": shared, "fork_sharing": forks,
             "cached_free": list(cache.pool.evictable), "prefix_caching": cache.prefix_caching, "blocks_used": u.blocks_used, "blocks_free": u.blocks_free,
             "tokens_stored": u.tokens_stored, "slots_allocated": u.slots_allocated,
             "utilization": round(u.utilization, 4), "block_size": cache.block_size,
@@ -82,7 +84,7 @@ class Recorder:
 
 def run_inspect(cfg: Config, prompts: str | None, num_prompts: int, input_len: int, output_len: int,
                 range_ratio: float, at: str, json_out: Path | None, chat: bool, quiet: bool,
-                stats_json: Path | None = None, plot: Path | None = None) -> int:
+                stats_json: Path | None = None, plot: Path | None = None, n: int = 1) -> int:
     when = parse_at(at)
     if prompts:
         check_prompt_file(prompts)
@@ -94,7 +96,7 @@ def run_inspect(cfg: Config, prompts: str | None, num_prompts: int, input_len: i
     rec = Recorder(when)
     engine.observers.append(rec)
     bar = tqdm(total=len(workload), desc="inspect", unit="req", file=sys.stderr, disable=quiet)
-    for out in engine.run(requests_for(workload, output_len)):
+    for out in engine.run(requests_for(workload, output_len, n)):
         bar.update(1)
     bar.close()
     if rec.snap is None:
@@ -129,14 +131,19 @@ def render(report: dict) -> None:
         sh = " ".join(f"{x['block']}(x{x['refs']})" for x in snap["shared_blocks"][:30])
         con.print(f"shared blocks ({len(snap['shared_blocks'])}): {sh}" +
                   (" ..." if len(snap["shared_blocks"]) > 30 else ""))
+    fs = snap["fork_sharing"]
+    if fs["forks"]:
+        con.print(f"parallel sampling: {fs['fork_shared_blocks']} blocks shared by forks of one request "
+                  f"({fs['fork_refs']} extra refs); {fs['forks']} forks and {fs['cow_copies']} copy-on-write "
+                  f"copies so far")
     t = Table(title="block tables (logical -> physical)", header_style="bold")
-    for col in ("seq", "request", "tokens", "blocks", "last block", "table"):
+    for col in ("seq", "request", "fork", "tokens", "blocks", "last block", "table"):
         t.add_column(col, justify="right" if col != "table" else "left")
     for row in snap["tables"]:
         mapping = " ".join(f"{j}→{b}" for j, b in enumerate(row["blocks"]))
         if len(mapping) > 80:
             mapping = mapping[:77] + "..."
-        t.add_row(str(row["seq_id"]), str(row["request_id"]), str(row["tokens"]), str(len(row["blocks"])),
+        t.add_row(str(row["seq_id"]), str(row["request_id"]), str(row["fork"]), str(row["tokens"]), str(len(row["blocks"])),
                   f"{row['last_block_fill']}/{snap['block_size']}", mapping)
     con.print(t)
     free = snap["free_list"]

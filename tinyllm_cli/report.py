@@ -48,6 +48,10 @@ def run_table(s: dict, title: str = "run") -> Table:
         ("prefill tokens computed / skipped", f"{s['prefill_tokens']} / {s['prefill_tokens_skipped']}"),
         ("engine overhead", f"{s['engine_overhead_frac']:.1%} of wall time"),
     ]
+    if s.get("forks"):  # only runs with n > 1 requests: other tables keep their rows
+        rows.insert(-2, ("parallel sampling (forks)",
+                         f"{s['forks']} forks, {s['cow_copies']} copy-on-write block copies, peak "
+                         f"{s['peak_fork_shared_blocks']} blocks shared by forks ({s['peak_fork_refs']} extra refs)"))
     for name, v in rows:
         t.add_row(name, v)
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("latency_s", "latency")):
@@ -90,12 +94,18 @@ def worker_table(s: dict) -> Table:
     return t
 
 
+# Shown when some row asks for several completions per prompt (``bench --n``).
+FORK_COLUMNS = [("n", "n", str), ("peak blocks", "peak_blocks_used", str), ("forks", "forks", str),
+                ("CoW copies", "cow_copies", str), ("fork-shared peak", "peak_fork_shared_blocks", str)]
+
+
 def bench_table(rows: list[dict], title: str = "bench") -> Table:
     t = Table(title=title, header_style="bold")
     parallel = any("workers" in r for r in rows)
     if parallel:
         t.add_column("workers", justify="right")
-    for name, _, _ in BENCH_COLUMNS:
+    columns = BENCH_COLUMNS + (FORK_COLUMNS if any(r.get("n", 1) > 1 for r in rows) else [])
+    for name, _, _ in columns:
         t.add_column(name, justify="right")
     t.add_column("TTFT p50 ms", justify="right")
     t.add_column("TPOT p50 ms", justify="right")
@@ -103,7 +113,7 @@ def bench_table(rows: list[dict], title: str = "bench") -> Table:
         t.add_column("scaling", justify="right")
     for r in rows:
         cells = []
-        for _, key, fmt in BENCH_COLUMNS:
+        for _, key, fmt in columns:
             v = r[key]
             cells.append(fmt(v) if callable(fmt) and not isinstance(fmt, str) else
                          (fmt.format(v) if isinstance(fmt, str) and "{" in fmt else str(v)))

@@ -24,6 +24,10 @@ Design:
   ``custom_id``'s error line has ``custom_id: null``, so it cannot overwrite the first one's answer.
 - Models without a tokenizer (token-id prompts only) give ``text: null`` and add the generated
   ``token_ids`` to the choice.
+- ``n`` gives ``choices`` with n entries (index 0..n-1) and usage counting every completion's
+  tokens; ``logprobs`` (an integer k for /v1/completions, ``true`` with ``top_logprobs`` k for
+  chat) fills each choice's ``logprobs`` in that endpoint's OpenAI shape; ``prompt_logprobs``
+  (vLLM's extension) adds ``prompt_logprobs`` to each choice.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ URLS = (COMPLETIONS, CHAT)
 BODY_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
                  "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
                  "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                 "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids"}
+                 "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "n": "n",
+                 "logprobs": "logprobs", "top_logprobs": "top_logprobs", "prompt_logprobs": "prompt_logprobs"}
 QUEUE_LINES = 1024  # raw lines the reader may run ahead of the engine loop
 BACKLOG = 256  # parsed requests held locally (not yet due, or no room in the engine)
 DRAIN = 64  # input lines taken per loop turn, so a fast producer cannot starve the engine
@@ -134,11 +139,9 @@ def parse_request(lineno: int, rec: dict, builder: RequestBuilder, seen: set[str
         raise bad("missing 'body'")
     if not isinstance(body, dict):
         raise bad("'body' must be a JSON object")
-    for key, ok, why in (("n", lambda v: v == 1, "only n = 1 is supported"),
-                         ("best_of", lambda v: v == 1, "only best_of = 1 is supported"),
+    for key, ok, why in (("best_of", lambda v: v == 1, "only best_of = 1 is supported"),
                          ("stream", lambda v: v is False, "streaming responses are not supported in a batch"),
-                         ("echo", lambda v: v is False, "echo is not supported"),
-                         ("logprobs", lambda v: v in (False, 0), "logprobs are not supported")):
+                         ("echo", lambda v: v is False, "echo is not supported")):
         if body.get(key) is not None and not ok(body[key]):
             raise bad(f"'{key}': {why}")
     try:
@@ -200,22 +203,54 @@ def error_line(n: int, custom_id: str | None, code: str, message: str) -> str:
                        "error": {"code": code, "message": message}}, ensure_ascii=False) + "\n"
 
 
-def response_line(job: Job, out: RequestOutput, model: str) -> str:
-    usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-             "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
-    reason = "length" if out.finish_reason == "error" else out.finish_reason
-    created = int(time.time())
-    if job.url == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": None, "finish_reason": reason}
-        body = {"id": f"chatcmpl-{job.n}", "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
+def _chat_logprobs(entries: list[dict] | None) -> dict | None:
+    """Our per-token entries in the chat API's shape: ``{"content": [{token, logprob, bytes,
+    top_logprobs}]}``."""
+    if entries is None:
+        return None
+
+    def one(e):
+        tok = e["token"]
+        return {"token": tok, "logprob": e["logprob"],
+                "bytes": list(tok.encode("utf-8", "replace")) if tok is not None else None}
+    return {"content": [one(e) | {"top_logprobs": [one(a) for a in e["top_logprobs"]]} for e in entries]}
+
+
+def _completion_logprobs(entries: list[dict] | None) -> dict | None:
+    """Our per-token entries in the legacy completions shape: parallel ``tokens``,
+    ``token_logprobs`` and ``top_logprobs`` (a {token: logprob} map per position)."""
+    if entries is None:
+        return None
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries]}
+
+
+def _choice(url: str, c, prompt_logprobs) -> dict:
+    reason = "length" if c.finish_reason == "error" else c.finish_reason
+    if url == CHAT:
+        choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": _chat_logprobs(c.logprobs), "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c.logprobs),
+                  "finish_reason": reason}
+    if c.text is None:  # no tokenizer: the ids are the only form of the answer
+        choice["token_ids"] = c.token_ids
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
+
+
+def response_line(job: Job, out: RequestOutput, model: str) -> str:
+    usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": out.num_output_tokens,
+             "total_tokens": len(out.prompt_token_ids) + out.num_output_tokens}
+    created = int(time.time())
+    choices = [_choice(job.url, c, out.prompt_logprobs) for c in out.completions]
+    if job.url == CHAT:
+        body = {"id": f"chatcmpl-{job.n}", "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage}
+    else:
         body = {"id": f"cmpl-{job.n}", "object": "text_completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
-    if out.text is None:  # no tokenizer: the ids are the only form of the answer
-        choice["token_ids"] = out.token_ids
+                "choices": choices, "usage": usage}
     return json.dumps({"id": f"batch_req_{job.n}", "custom_id": job.custom_id,
                        "response": {"status_code": 200, "request_id": f"req_{job.n}", "body": body},
                        "error": None}, ensure_ascii=False) + "\n"
@@ -462,7 +497,7 @@ class Server:
 
     def finish(self, out: RequestOutput) -> None:
         job = self.jobs.pop(out.id)
-        if out.error and not out.token_ids:
+        if out.error and not out.num_output_tokens:
             self.writer.write(error_line(job.n, job.custom_id, "server_error", f"line {job.n}: {out.error}"),
                               error=True)
         else:

@@ -67,6 +67,10 @@ class BlockPool:
     can take it back. Fresh blocks are handed out first; only then is the least recently
     released evictable block reused (and its hash forgotten).
 
+    Forks of one request (parallel sampling) take references on their parent's blocks the same
+    way; ``fork_refs`` counts the extra references they took that are still held, per block
+    (references are interchangeable, so a release lowers it to at most ``ref - 1``).
+
     Invariants: ``ref[b] > 0`` exactly for blocks in some table; evictable blocks have ``ref 0``
     and a hash; a lookup only returns a block whose stored tokens and parent hash match.
     """
@@ -80,6 +84,7 @@ class BlockPool:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.shared_extra = 0  # sum over blocks of max(0, ref - 1)
         self.num_shared = 0  # blocks with ref > 1 (kept with shared_extra: a pool may be large)
+        self.fork_refs: dict[int, int] = {}  # block -> extra references taken by forks, still held
         self.peak_active = 0
 
     @property
@@ -112,6 +117,10 @@ class BlockPool:
             if self.ref[b] <= 0:
                 raise BlockError(f"block {b} is not held by anyone (double release)")
             self.ref[b] -= 1
+            if b in self.fork_refs:
+                self.fork_refs[b] = min(self.fork_refs[b], self.ref[b] - 1)
+                if self.fork_refs[b] <= 0:
+                    del self.fork_refs[b]
             if self.ref[b] >= 1:
                 self.shared_extra -= 1
                 self.num_shared -= self.ref[b] == 1
@@ -120,8 +129,10 @@ class BlockPool:
             else:
                 self.allocator.free([b])
 
-    def share(self, b: int) -> None:
-        """Take another reference to a cached block (a prefix hit)."""
+    def share(self, b: int, fork: bool = False) -> None:
+        """Take another reference to a cached block (a prefix hit) or to a parent's block (a fork)."""
+        if fork:
+            self.fork_refs[b] = self.fork_refs.get(b, 0) + 1
         if self.ref[b] == 0:
             del self.evictable[b]
         else:

@@ -20,6 +20,10 @@ Invariants (checked by the property tests):
   sees the per-step index tensors built in ``plan_step``, copied once per step, never per row.
 - When a decode step needs more blocks than are free, the *newest* sequences are preempted: they
   have done the least work, so recomputing them wastes the least (vLLM's recompute policy).
+- Forks (parallel sampling): ``fork`` gives a child the parent's table, taking a reference on
+  every block; the first write into a block that is still shared copies it first (copy on write,
+  in ``grow``), so **no shared block is ever written**. Only the last, partly filled block can
+  need it: full blocks are never written again. Releasing a fork frees only what it alone holds.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ class CacheUsage:
     blocks_cached_free: int = 0
     shared_refs: int = 0  # extra references to shared blocks
     blocks_shared: int = 0  # blocks held by more than one sequence (part of blocks_used)
+    fork_shared_blocks: int = 0  # blocks that forks of one request share
+    fork_refs: int = 0  # extra references forks hold on them
 
     @property
     def wasted_slots(self) -> int:
@@ -138,6 +144,8 @@ class PagedKVCache:
         self.hashes: dict[int, list[int]] = {}  # per sequence: chained hash of each full block
         self.prefix_queries = 0  # prompt tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens whose K/V were reused
+        self.forks = 0  # sequences forked from a parent (parallel sampling)
+        self.cow_copies = 0  # shared blocks copied before a fork's first write into them
 
     @property
     def prefix_caching(self) -> bool:
@@ -156,15 +164,19 @@ class PagedKVCache:
     def blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
 
-    def fits_alone(self, n_tokens: int) -> bool:
-        """Could ``n_tokens`` positions fit if this sequence had the whole pool to itself?"""
-        return self.blocks_for(n_tokens) <= self.num_blocks
+    def fits_alone(self, n_tokens: int, forks: int = 0) -> bool:
+        """Could ``n_tokens`` positions fit if this sequence (and ``forks`` more that will fork
+        from it, one block each for their first token) had the whole pool to itself?"""
+        return self.blocks_for(n_tokens) + forks <= self.num_blocks
 
     # ---- check / act pairs for the scheduler -------------------------------------------
 
-    def try_admit(self, seq_id: int, tokens: list[int]) -> int | None:
-        """Admit a sequence if its tokens plus one fit; returns how many leading tokens already
-        have K/V (prefix-cache hits, whole blocks), or None when it does not fit now.
+    def try_admit(self, seq_id: int, tokens: list[int], forks: int = 0, use_prefix: bool = True) -> int | None:
+        """Admit a sequence if its tokens plus one fit, with one more block for each of ``forks``
+        sequences that will fork from it (their first token: a new block, or the copy of the
+        shared last one); returns how many leading tokens already have K/V (prefix-cache hits,
+        whole blocks), or None when it does not fit now. ``use_prefix=False`` computes every
+        token (a request that needs the logits of its prompt rows).
 
         At least one token is always left to compute (the step needs its logits), so a prompt
         that is entirely cached gives up its last block: it is recomputed into a fresh block
@@ -172,9 +184,9 @@ class PagedKVCache:
         """
         if seq_id in self.tables:
             raise CacheError(f"sequence {seq_id} is already in the cache")
-        hits, hashes = self._prefix_hits(tokens)
+        hits, hashes = self._prefix_hits(tokens) if use_prefix else ([], [])
         reclaimed = sum(self.pool.ref[b] == 0 for b in hits)  # evictable hits stop being free
-        if self.blocks_for(len(tokens) + 1) - len(hits) > self.pool.num_free - reclaimed:
+        if self.blocks_for(len(tokens) + 1) + forks - len(hits) > self.pool.num_free - reclaimed:
             return None
         for b in hits:
             self.pool.share(b)
@@ -182,7 +194,7 @@ class PagedKVCache:
         self.hashes[seq_id] = hashes
         cached = len(hits) * self.block_size
         self.lens[seq_id] = cached
-        if self.prefix_caching:
+        if self.prefix_caching and use_prefix:
             self.prefix_queries += len(tokens)
             self.prefix_hits += cached
         return cached
@@ -222,13 +234,63 @@ class PagedKVCache:
             self.pool.register(table[j], h, parent, key)
             hashes.append(h)
 
+    def fork(self, parent: int, child: int) -> None:
+        """``child`` starts as a copy of ``parent``'s table, sharing every block by reference."""
+        if child in self.tables:
+            raise CacheError(f"sequence {child} is already in the cache")
+        table = self.tables[parent]
+        for b in table:
+            self.pool.share(b, fork=True)
+        self.tables[child] = list(table)
+        self.lens[child] = self.lens[parent]
+        self.hashes[child] = list(self.hashes[parent])
+        self.forks += 1
+
     def blocks_to_grow(self, seq_id: int, n_tokens: int) -> int:
         return max(0, self.blocks_for(n_tokens) - len(self.tables[seq_id]))
 
+    def _shared_target(self, seq_id: int, n_tokens: int) -> int | None:
+        """The block that growing to ``n_tokens`` writes first, when another sequence holds it too."""
+        start = self.lens[seq_id]
+        if n_tokens <= start:
+            return None
+        table, j = self.tables[seq_id], start // self.block_size
+        if j < len(table) and self.pool.ref[table[j]] > 1:
+            return table[j]
+        return None
+
+    def _blocks_needed(self, needs: list[tuple[int, int]]) -> int:
+        """Blocks that growing every ``(seq_id, n_tokens)`` takes, copies on write included: each
+        writer of a shared block copies it, except the last when every holder writes (it then
+        holds the block alone and writes in place)."""
+        need, writers = 0, {}
+        for s, n in needs:
+            need += self.blocks_to_grow(s, n)
+            b = self._shared_target(s, n)
+            if b is not None:
+                writers[b] = writers.get(b, 0) + 1
+        return need + sum(m - (m == self.pool.ref[b]) for b, m in writers.items())
+
     def grow(self, seq_id: int, n_tokens: int) -> None:
+        if self._shared_target(seq_id, n_tokens) is not None:
+            self._copy_on_write(seq_id)
         extra = self.blocks_to_grow(seq_id, n_tokens)
         if extra:
             self.tables[seq_id].extend(self.pool.allocate(extra))
+
+    def _copy_on_write(self, seq_id: int) -> None:
+        """Give ``seq_id`` its own copy of the shared block it is about to write: the positions
+        already stored in it are copied (one device copy per pool, no sync), the reference on the
+        shared one is dropped."""
+        table, bs = self.tables[seq_id], self.block_size
+        j = self.lens[seq_id] // bs
+        old, (new,) = table[j], self.pool.allocate(1)
+        used = self.lens[seq_id] - j * bs
+        for pool in (self.k, self.v):
+            pool[:, new * bs:new * bs + used].copy_(pool[:, old * bs:old * bs + used])
+        self.pool.release([old])
+        table[j] = new
+        self.cow_copies += 1
 
     def release(self, seq_id: int) -> None:
         # Tail first: cached blocks are evicted least-recently-released first, so a prefix
@@ -247,7 +309,7 @@ class PagedKVCache:
         live = list(needs)
         preempted: list[int] = []
         while live:
-            need = sum(self.blocks_to_grow(s, n) for s, n in live)
+            need = self._blocks_needed(live)
             if self.pool.can_allocate(need):
                 break
             victim, _ = live.pop()
@@ -305,10 +367,23 @@ class PagedKVCache:
 
     def usage(self) -> CacheUsage:
         """Physical figures: a block shared by several sequences counts once."""
-        used = self.pool.num_active
-        stored = sum(self.lens.values()) - self.pool.shared_extra * self.block_size
+        used, forks = self.pool.num_active, self.pool.fork_refs
+        if forks:  # a fork may share a partly filled block: count each block's fill once
+            stored = self._stored_per_block()
+        else:  # only whole prefix blocks are shared
+            stored = sum(self.lens.values()) - self.pool.shared_extra * self.block_size
         return CacheUsage(used, self.pool.num_free, stored, used * self.block_size,
-                          len(self.pool.evictable), self.pool.shared_extra, self.pool.num_shared)
+                          len(self.pool.evictable), self.pool.shared_extra, self.pool.num_shared,
+                          fork_shared_blocks=len(forks), fork_refs=sum(forks.values()))
+
+    def _stored_per_block(self) -> int:
+        fill: dict[int, int] = {}
+        bs = self.block_size
+        for sid, table in self.tables.items():
+            n = self.lens[sid]
+            for j, b in enumerate(table):
+                fill[b] = max(fill.get(b, 0), min(bs, max(0, n - j * bs)))
+        return sum(fill.values())
 
 
 class SlotKVCache(PagedKVCache):
@@ -336,6 +411,6 @@ class SlotKVCache(PagedKVCache):
             raise CacheError(f"{n_tokens} tokens do not fit a slot of {self.max_len}")
         return 1
 
-    def fits_alone(self, n_tokens: int) -> bool:
-        return n_tokens <= self.max_len
+    def fits_alone(self, n_tokens: int, forks: int = 0) -> bool:
+        return n_tokens <= self.max_len and 1 + forks <= self.num_blocks
 

@@ -7,7 +7,13 @@ Invariants:
 - Outputs are handed back the step a sequence finishes (streaming), never held to the end.
 - A bad request (empty, out-of-vocabulary ids, longer than ``max_model_len``, larger than the
   whole KV pool) becomes an error output straight away; the others go on.
-- One host sync per step (the sampled ids), none per row.
+- One host sync per step (the sampled ids, and in the same transfer every log-probability the
+  step's requests asked for), none per row.
+- A request with ``n`` > 1 prefills its prompt once: the step that completes the prompt samples
+  n tokens from its last row (one per fork, each from its own seed) and forks the sequence; its
+  output is built when the last of its n sequences finishes.
+- Prompt log-probabilities need the logits of every prompt row: only the requests that ask get
+  those rows (``logits_index``), and they skip prefix-cache hits until their prompt is scored.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import itertools
 import random
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,9 +31,18 @@ from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
 from ..transfer import to_device
 from . import sampler
-from .request import Request, RequestOutput, Sequence, Status
+from .request import Completion, Group, Request, RequestOutput, Sequence, Status, fork_seed
 from .scheduler import Plan, Scheduler
 from .stats import RunStats, StepRecord
+
+
+@dataclass
+class Scoring:
+    """A step's prompt rows that report log-probabilities (they follow the sampled rows)."""
+
+    rows: list[int] = field(default_factory=list)  # rows of the packed step
+    targets: list[int] = field(default_factory=list)  # the prompt token each row predicts
+    groups: list[tuple[Group, int]] = field(default_factory=list)  # (group, its rows), in order
 
 
 class LLMEngine:
@@ -45,6 +61,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._rng = random.Random(seed)
         self._step = 0
+        self._token_text: dict[int, str | None] = {}
         self.observers: list = []
 
     # ---- requests in ---------------------------------------------------------------------
@@ -52,13 +69,21 @@ class LLMEngine:
     def add_request(self, req: Request) -> RequestOutput | None:
         """Queue a request; returns an error output instead if it can never run."""
         error = req.error or self._check(req)
-        seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(next(self._ids), req, seed, list(req.prompt_token_ids), len(req.prompt_token_ids))
+        p = req.params
+        seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
+        seqs = [Sequence(next(self._ids), req, fork_seed(seed, i), list(req.prompt_token_ids),
+                         len(req.prompt_token_ids), fork=i) for i in range(1 if req.error else p.n)]
+        group = Group(req, seqs, prompt_logprobs=None if p.num_prompt_logprobs is None else [None])
+        for s in seqs:
+            s.group = group
+            if p.num_logprobs is not None:
+                s.logprobs = []
+            if p.stop and self.tokenizer is not None:
+                s.stream = self.tokenizer.stream()
         if error:
-            return self._output(seq, "error", error)
-        if req.params.stop and self.tokenizer is not None:
-            seq.stream = self.tokenizer.stream()
-        self.scheduler.add(seq)
+            return [self._finish(s, "error", error) for s in seqs][-1]
+        seqs[0].pending = seqs[1:]
+        self.scheduler.add(seqs[0])
         return None
 
     def _check(self, req: Request) -> str | None:
@@ -71,9 +96,16 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             return (f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}, "
                     f"which leaves no room to generate")
-        if not self.cache.fits_alone(len(ids) + 1):
-            return (f"the prompt needs {self.cache.blocks_for(len(ids) + 1)} KV blocks but the whole pool has "
-                    f"{self.cache.num_blocks}; raise --num-blocks or --kv-memory")
+        n = req.params.n
+        if n > self.scheduler.max_num_seqs:
+            return (f"n = {n} completions run as {n} sequences at once but max_num_seqs is "
+                    f"{self.scheduler.max_num_seqs}; lower n or raise --max-num-seqs")
+        if not self.cache.fits_alone(len(ids) + 1, n - 1):
+            what = "slots" if self.cache.kind == "slot" else "KV blocks"
+            need = self.cache.blocks_for(len(ids) + 1) + n - 1
+            return (f"the prompt needs {need} {what}" + (f" for its n = {n} completions" if n > 1 else "")
+                    + f" but the whole pool has {self.cache.num_blocks}; raise --num-blocks or --kv-memory"
+                    + (" or lower n" if n > 1 else ""))
         return None
 
     def has_unfinished(self) -> bool:
@@ -107,30 +139,40 @@ class LLMEngine:
         clock = self.stats.phases
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
-        done = [self._output(s, "length", "the sequence outgrew the whole KV pool; it was stopped here")
-                for s in plan.failed]
+        done = []
+        for s in plan.failed:
+            for f in [s] + s.pending:  # forks not started yet fail with their prompt
+                done.append(self._finish(f, "length", "the sequence outgrew the whole KV pool; it was stopped here"))
+            s.pending = []
+        done = [o for o in done if o is not None]
         t1 = time.perf_counter()
         clock["schedule"] += t1 - t0
         if plan.empty:
             self._record(plan, 0.0, self.cache.usage(), len(self.scheduler.running))
             return done
-        samplers, ids, pos, rows, attn = self._prepare(plan)
+        samplers, ids, pos, rows, attn, scoring = self._prepare(plan)
         t2 = time.perf_counter()
         logits = self.model(ids, pos, attn, rows)
         t3 = time.perf_counter()
-        # The one host sync of the step: on a GPU, queued forward work finishes inside it.
-        tokens = sampler.sample(logits, samplers).tolist() if samplers else []
+        tokens, logprobs = self._sample(logits, samplers, scoring)
         t4 = time.perf_counter()
         self._advance(plan)
+        for s in samplers:
+            if s.pending:  # its prompt is computed: the other n - 1 start from it
+                self.scheduler.fork(s)
         # Memory as this step's forward used it, before finished sequences give theirs back.
         usage, running = self.cache.usage(), len(self.scheduler.running)
         for observe in self.observers:  # before releases, so a snapshot sees the final tables
             observe(self, plan)
-        for s, tok in zip(samplers, tokens):
+        for s, tok, lp in zip(samplers, tokens, logprobs):
+            if lp is not None:
+                s.logprobs.append(lp)
             reason = self._append(s, tok)
             if reason:
                 self.scheduler.finish(s)
-                done.append(self._output(s, reason))
+                out = self._finish(s, reason)
+                if out is not None:
+                    done.append(out)
         t5 = time.perf_counter()
         clock["prepare"] += t2 - t1
         clock["forward"] += t3 - t2
@@ -140,24 +182,71 @@ class LLMEngine:
         return done
 
     def _prepare(self, plan: Plan):
-        """Pack the step's tokens; returns (samplers, ids, positions, logit rows, attention)."""
+        """Pack the step's tokens; returns (samplers, ids, positions, logit rows, attention,
+        scoring). Logit rows: one per sampler, then the prompt rows in ``scoring``."""
         # Decode rows first (one token each, all sample), then the prefill chunks.
         ids = [s.tokens[-1] for s in plan.decode]
         pos = [s.num_tokens - 1 for s in plan.decode]
         logit_rows = list(range(len(plan.decode)))
         samplers = list(plan.decode)
+        scoring = Scoring()
         row = len(plan.decode)
         for s, start, n in plan.prefill:
             ids += s.tokens[start:start + n]
             pos += range(start, start + n)
+            if s.group.scoring_prompt:
+                self._score_rows(scoring, s, start, n, row)
             row += n
             if start + n == s.num_tokens:  # the chunk that completes the prompt samples
-                logit_rows.append(row - 1)
-                samplers.append(s)
+                logit_rows += [row - 1] * (1 + len(s.pending))  # once per fork, each its own seed
+                samplers += [s] + s.pending
         attn = self.cache.plan_step([s.seq_id for s in plan.decode],
                                     [(s.seq_id, start, n) for s, start, n in plan.prefill])
         dev = self.model.device
-        return samplers, to_device(ids, dev), to_device(pos, dev), to_device(logit_rows, dev), attn
+        logit_rows += scoring.rows
+        return samplers, to_device(ids, dev), to_device(pos, dev), to_device(logit_rows, dev), attn, scoring
+
+    @staticmethod
+    def _score_rows(scoring: Scoring, s: Sequence, start: int, n: int, row: int) -> None:
+        """The rows of chunk ``[start, start + n)`` (at step row ``row``) that predict a prompt
+        token not scored yet: position p predicts token p + 1; the last prompt row predicts the
+        first output token, which is sampled, not scored."""
+        g = s.group
+        lo, hi = max(start, len(g.prompt_logprobs) - 1), min(start + n, s.num_prompt - 1)
+        if hi > lo:
+            scoring.rows += range(row + lo - start, row + hi - start)
+            scoring.targets += s.tokens[lo + 1:hi + 1]
+            scoring.groups.append((g, hi - lo))
+
+    def _sample(self, logits, samplers: list[Sequence], scoring: Scoring):
+        """Sample the step's tokens and gather the log-probabilities asked for: one readback,
+        the step's only host sync (on a GPU, queued forward work finishes inside it).
+        Returns (tokens, per-sampler (token, logprob, alternatives) or None)."""
+        n = len(samplers)
+        tokens = sampler.sample(logits[:n], samplers) if n else None
+        rows, k, table = sampler.sampled_logprobs(logits[:n], tokens, samplers) if n else ([], 0, None)
+        pk = max((g.request.params.num_prompt_logprobs for g, _ in scoring.groups), default=0)
+        ptable = None
+        if scoring.rows:
+            ptable = sampler.logprob_table(logits[n:], to_device(scoring.targets, logits.device), pk)
+        if table is None and ptable is None:
+            return (tokens.tolist() if n else []), [None] * n
+        parts = [x.flatten().float() for x in (tokens, table, ptable) if x is not None]
+        flat = torch.cat(parts).tolist()
+        ids = [int(x) for x in flat[:n]]
+        at = n
+        logprobs: list = [None] * n
+        for i in rows:
+            logprobs[i] = _entry(ids[i], flat[at:at + 1 + 2 * k], k, samplers[i].request.params.num_logprobs)
+            at += 1 + 2 * k
+        t = 0
+        for g, count in scoring.groups:
+            kg = g.request.params.num_prompt_logprobs
+            for target in scoring.targets[t:t + count]:
+                g.prompt_logprobs.append(_entry(target, flat[at:at + 1 + 2 * pk], pk, kg))
+                at += 1 + 2 * pk
+            t += count
+        return ids, logprobs
 
     def _advance(self, plan: Plan) -> None:
         for s in plan.decode:
@@ -201,9 +290,14 @@ class LLMEngine:
 
     # ---- outputs and stats -----------------------------------------------------------------
 
-    def _output(self, s: Sequence, reason: str, error: str | None = None) -> RequestOutput:
-        now = time.perf_counter()
-        s.status, s.finish_reason, s.finish_time = Status.FINISHED, reason, now
+    def _finish(self, s: Sequence, reason: str, error: str | None = None) -> RequestOutput | None:
+        """Mark ``s`` finished; its request's output once the last of its n sequences is."""
+        s.status, s.finish_reason, s.finish_time, s.error = Status.FINISHED, reason, time.perf_counter(), error
+        g = s.group
+        g.finished += 1
+        return self._output(g) if g.finished == len(g.seqs) else None
+
+    def _completion(self, s: Sequence) -> Completion:
         out_ids = s.output_ids
         if s.stream is not None:
             text = s.text
@@ -215,13 +309,40 @@ class LLMEngine:
         if s.first_token_time is not None:
             ttft = s.first_token_time - s.arrival
             if len(out_ids) > 1:
-                tpot = (now - s.first_token_time) / (len(out_ids) - 1)
-        r = s.request
-        out = RequestOutput(r.id, r.index, r.prompt, list(r.prompt_token_ids), out_ids, text, reason,
-                            error, s.stop_reason, ttft, tpot, now - s.arrival if out_ids else None,
-                            s.preemptions, s.seed, r.metadata)
+                tpot = (s.finish_time - s.first_token_time) / (len(out_ids) - 1)
+        logprobs = None if s.logprobs is None else [self._logprob_json(e) for e in s.logprobs]
+        return Completion(s.fork, out_ids, text, s.finish_reason, s.stop_reason, s.seed, logprobs, ttft, tpot,
+                          s.finish_time - s.arrival if out_ids else None, s.preemptions)
+
+    def _output(self, g: Group) -> RequestOutput:
+        comps = [self._completion(s) for s in g.seqs]
+        c0, r = comps[0], g.request
+        error = next((s.error for s in g.seqs if s.error), None)
+        ttfts = [c.ttft_s for c in comps if c.ttft_s is not None]
+        tpots = [c.tpot_s for c in comps if c.tpot_s is not None]
+        lats = [c.latency_s for c in comps if c.latency_s is not None]
+        prompt_lps = None
+        if g.prompt_logprobs is not None:
+            prompt_lps = [None if e is None else self._logprob_json(e) for e in g.prompt_logprobs]
+        out = RequestOutput(r.id, r.index, r.prompt, list(r.prompt_token_ids), c0.token_ids, c0.text,
+                            c0.finish_reason, error, c0.stop_reason, min(ttfts, default=None),
+                            sum(tpots) / len(tpots) if tpots else None, max(lats, default=None),
+                            sum(c.preemptions for c in comps), c0.seed, r.metadata, comps, len(comps),
+                            c0.logprobs, prompt_lps)
         self.stats.record_request(out)
         return out
+
+    def _logprob_json(self, entry) -> dict:
+        tok, lp, alts = entry
+        return {"token_id": tok, "token": self._text_of(tok), "logprob": lp,
+                "top_logprobs": [{"token_id": a, "token": self._text_of(a), "logprob": v} for a, v in alts]}
+
+    def _text_of(self, tok: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if tok not in self._token_text:
+            self._token_text[tok] = self.tokenizer.decode([tok])
+        return self._token_text[tok]
 
     def _record(self, plan: Plan, forward_s: float, u, running: int) -> None:
         n_pre = len(plan.preempted)
@@ -234,5 +355,12 @@ class LLMEngine:
             self._step, round(time.perf_counter() - self.stats.start, 6), running,
             len(self.scheduler.waiting), u.blocks_used, u.blocks_free, u.tokens_stored, u.slots_allocated,
             sum(n for _, _, n in plan.prefill), len(plan.decode), n_pre, round(forward_s, 6),
-            u.shared_refs, u.blocks_cached_free, u.blocks_shared))
+            u.shared_refs, u.blocks_cached_free, u.blocks_shared,
+            fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs))
         self._step += 1
+
+
+def _entry(token: int, vals: list[float], k: int, want: int) -> tuple:
+    """(token, its logprob, [(alternative id, logprob)] best first, ``want`` of them) from one
+    ``logprob_table`` row read back as floats."""
+    return token, vals[0], [(int(vals[1 + k + j]), vals[1 + j]) for j in range(want)]

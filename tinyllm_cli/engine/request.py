@@ -6,6 +6,10 @@ Invariants:
   ``num_cached = 0`` and is recomputed from all its tokens, so nothing it generated is lost.
 - A sequence's random stream depends only on its seed and the index of the token being drawn,
   never on the batch it happens to run in (see ``sampler``).
+- A request with ``n`` > 1 is a ``Group`` of n sequences: fork 0 prefills the prompt and carries
+  the other n - 1 as ``pending`` until its prompt is done; then they fork from it (sharing its
+  blocks) and run as ordinary sequences. Fork i draws from ``fork_seed(seed, i)``, and fork 0's
+  seed is the request's own, so completion i equals the same request run with n = 1 and that seed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # completions per prompt, sharing the prompt's K/V blocks
+    logprobs: int | bool | None = None  # per output token: true, or k top alternatives too
+    top_logprobs: int | None = None  # k alternatives when logprobs is true (OpenAI chat style)
+    prompt_logprobs: int | bool | None = None  # per prompt token (scoring): true, or k alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,10 +54,27 @@ class SamplingParams:
             (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids), "stop_token_ids must be a list of integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos must be true or false"),
+            (_int(self.n) and self.n >= 1, "n must be an integer >= 1"),
+            (_count_or_flag(self.logprobs), f"logprobs must be true, false or an integer from 0 to {MAX_LOGPROBS}"),
+            (self.top_logprobs is None or (_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_LOGPROBS),
+             f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}"),
+            (self.top_logprobs is None or self.logprobs is True,
+             "top_logprobs needs logprobs: true (or give logprobs as the number of alternatives)"),
+            (_count_or_flag(self.prompt_logprobs),
+             f"prompt_logprobs must be true, false or an integer from 0 to {MAX_LOGPROBS}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives reported per output token (0: the chosen token only); None: off."""
+        return _alternatives(self.logprobs, self.top_logprobs)
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return _alternatives(self.prompt_logprobs, None)
 
     @property
     def greedy(self) -> bool:
@@ -61,8 +86,35 @@ class SamplingParams:
         return {f.name for f in fields(cls)}
 
 
+MAX_LOGPROBS = 20  # the most alternatives per token, as vLLM's default max_logprobs
+
+
 def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _count_or_flag(x) -> bool:
+    return x is None or isinstance(x, bool) or (_int(x) and 0 <= x <= MAX_LOGPROBS)
+
+
+def _alternatives(flag, k) -> int | None:
+    if flag is None or flag is False:
+        return None
+    return (k or 0) if flag is True else flag
+
+
+_FORK_MIX = 0xD1B54A32D192ED03  # odd 64-bit constant, distinct from the sampler's row mixing
+
+
+def fork_seed(seed: int, i: int) -> int:
+    """Seed of completion ``i`` of a request with ``seed``: the seed itself for i = 0, else
+    ``(seed + i * 0xD1B54A32D192ED03) mod 2**63``. Completion i of an n-way request equals the
+    same request run with n = 1 and ``seed = fork_seed(seed, i)``."""
+    return (seed + i * _FORK_MIX) & ((1 << 63) - 1)
 
 
 @dataclass
@@ -103,6 +155,10 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    fork: int = 0  # completion index within the request
+    group: "Group | None" = None
+    pending: list["Sequence"] = field(default_factory=list)  # forks waiting for this prompt (fork 0)
+    logprobs: list | None = None  # per output token: (logprob, [(alt id, alt logprob), ...])
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +171,46 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+
+@dataclass
+class Group:
+    """The n sequences of one request; its output is built when the last one finishes."""
+
+    request: Request
+    seqs: list[Sequence]
+    finished: int = 0
+    # Entry j is prompt token j's (logprob, alternatives); entry 0 is None (nothing predicts it).
+    prompt_logprobs: list | None = None
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Still needs logits for prompt rows (so its prompt must be computed, not cache hits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.request.prompt_token_ids)
+
+
+@dataclass
+class Completion:
+    """One of a request's n completions."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    stop_reason: str | int | None = None
+    seed: int | None = None
+    logprobs: list | None = None  # JSON-ready entries, one per output token, when asked
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    latency_s: float | None = None
+    preemptions: int = 0
+
+    def to_json(self) -> dict:
+        out = {"index": self.index, "text": self.text, "token_ids": self.token_ids,
+               "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "seed": self.seed,
+               "metrics": {"ttft_s": _r(self.ttft_s), "tpot_s": _r(self.tpot_s),
+                           "latency_s": _r(self.latency_s), "preemptions": self.preemptions}}
+        return out | ({"logprobs": self.logprobs} if self.logprobs is not None else {})
 
 
 @dataclass
@@ -134,8 +230,35 @@ class RequestOutput:
     preemptions: int = 0
     seed: int | None = None
     metadata: object = None
+    # Every completion (one when n = 1, mirroring the flat fields above, which are completion 0's).
+    completions: list[Completion] = field(default_factory=list)
+    n: int = 1
+    logprobs: list | None = None  # completion 0's, when asked
+    prompt_logprobs: list | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens over all completions."""
+        return sum(len(c.token_ids) for c in self.completions) if self.completions else len(self.token_ids)
 
     def to_json(self) -> dict:
+        """n = 1: the flat shape (text, token_ids, ... at the top; ``logprobs`` only when asked).
+        n > 1: ``outputs``, one object per completion, and request-level fields at the top."""
+        extra = {"prompt_logprobs": self.prompt_logprobs} if self.prompt_logprobs is not None else {}
+        meta = {"metadata": self.metadata} if self.metadata is not None else {}
+        if self.n > 1:
+            return {
+                "id": self.id, "prompt": self.prompt, "prompt_token_ids": self.prompt_token_ids,
+                "outputs": [c.to_json() for c in self.completions], "error": self.error,
+                "num_prompt_tokens": len(self.prompt_token_ids), "num_output_tokens": self.num_output_tokens,
+                "metrics": {"ttft_s": _r(self.ttft_s), "latency_s": _r(self.latency_s),
+                            "preemptions": self.preemptions},
+            } | extra | meta
+        if self.logprobs is not None:
+            extra = {"logprobs": self.logprobs} | extra
+        return self._flat() | extra | meta
+
+    def _flat(self) -> dict:
         return {
             "id": self.id, "prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
             "prompt_token_ids": self.prompt_token_ids, "finish_reason": self.finish_reason,
@@ -143,7 +266,7 @@ class RequestOutput:
             "num_prompt_tokens": len(self.prompt_token_ids), "num_output_tokens": len(self.token_ids),
             "metrics": {"ttft_s": _r(self.ttft_s), "tpot_s": _r(self.tpot_s),
                         "latency_s": _r(self.latency_s), "preemptions": self.preemptions},
-        } | ({"metadata": self.metadata} if self.metadata is not None else {})
+        }
 
 
 def _r(x: float | None) -> float | None:

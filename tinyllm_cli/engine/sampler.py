@@ -6,6 +6,10 @@ Invariants:
   request yields the same tokens alone, in any batch, and after a preemption and recompute.
   Sampling uses the exponential race: ``argmax(p / E)``, with ``E ~ Exp(1)`` from that generator.
 - Filtering order follows transformers / vLLM: repetition penalty, temperature, top-k, top-p, min-p.
+- Log-probabilities (``logprobs``) are those of the distribution the sampler drew from *before*
+  its filters: log_softmax of the logits after repetition penalty and temperature (temperature 0
+  counts as 1), not renormalised over what top-k / top-p / min-p keep. Prompt log-probabilities
+  are the model's raw log_softmax (no penalty, no temperature: they score a given text).
 - One host sync per step: the caller's ``.tolist()`` on the returned tokens (on CPU, the top-p
   candidate check reads a few floats back too, which costs nothing there). Decisions are taken
   from the request parameters on the host, never from device values, and parameter tensors go
@@ -123,3 +127,28 @@ def sample(logits: Tensor, seqs: list[Sequence]) -> Tensor:
             probs, ids = filter_logits(logits[idx], sub)
             tokens[idx] = draw(probs, ids, sub, logits.shape[-1])
     return tokens
+
+
+def logprob_table(logits: Tensor, chosen: Tensor, k: int) -> Tensor:
+    """[R, 1 + 2k] float32 on the device: each row's log-probability of ``chosen``, then its top-k
+    log-probabilities (best first), then their token ids (exact in float32 below 2**24)."""
+    lp = logits.float().log_softmax(-1)
+    cols = [lp.gather(-1, chosen[:, None])]
+    if k:
+        vals, ids = lp.topk(k, dim=-1)
+        cols += [vals, ids.float()]
+    return torch.cat(cols, 1)
+
+
+def sampled_logprobs(logits: Tensor, tokens: Tensor, seqs: list[Sequence]) -> tuple[list[int], int, Tensor | None]:
+    """Log-probabilities for the rows whose request asked: (those rows, k, table) where the
+    table is ``logprob_table`` over the logits as the sampler saw them (``logits`` already holds
+    the repetition penalty: ``sample`` applies it in place) divided by the temperature."""
+    rows = [i for i, s in enumerate(seqs) if s.request.params.num_logprobs is not None]
+    if not rows:
+        return rows, 0, None
+    k = max(seqs[i].request.params.num_logprobs for i in rows)
+    idx = to_device(rows, logits.device)
+    temps = [seqs[i].request.params for i in rows]
+    temp = to_device([1.0 if p.greedy else p.temperature for p in temps], logits.device, torch.float32)
+    return rows, k, logprob_table(logits[idx] / temp[:, None], tokens[idx], k)

@@ -8,6 +8,11 @@ Invariants:
   it jumps ahead. A sequence is admitted only when its tokens plus one fit, and takes blocks for
   its tokens; the block for its first decode comes from the step reservation like any other.
 - No step admits new work while it preempts (that would thrash).
+- A request with n > 1 enters as its fork 0 carrying the other n - 1 as ``pending``: it is
+  admitted only when all n fit (``max_num_seqs`` counts sequences, pending forks included, and
+  the cache keeps one block per fork for its first token), and ``fork`` starts them once its
+  prompt is computed. After that each fork is an ordinary sequence: preempted alone, recomputed
+  from its prompt + its own tokens.
 - Progress is guaranteed: the oldest running sequence is preempted only when it is alone and
   cannot grow at all, and then it is failed, not requeued; a head of queue that cannot fit an
   empty pool is failed as well. So the engine never loops forever.
@@ -48,6 +53,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_seqs(self) -> int:
+        """Sequences running, counting the forks that running prompts will start."""
+        return len(self.running) + sum(len(s.pending) for s in self.running)
+
+    def fork(self, parent: Sequence) -> list[Sequence]:
+        """Start ``parent``'s pending forks: they share its blocks and its computed prompt, and
+        run right after it (admitted with it, so newer than everything admitted before it)."""
+        kids, parent.pending = parent.pending, []
+        for c in kids:
+            self.cache.fork(parent.seq_id, c.seq_id)
+            c.num_cached, c.status = parent.num_cached, parent.status
+        at = self.running.index(parent) + 1
+        self.running[at:at] = kids
+        return kids
+
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.cache.release(seq.seq_id)
@@ -74,7 +95,7 @@ class Scheduler:
         for sid in [n[0] for n in reversed(needs) if n[0] in victims]:  # newest first
             s = by_id[sid]
             self.running.remove(s)
-            if not self.cache.fits_alone(s.num_tokens + 1):
+            if not self.cache.fits_alone(s.num_tokens + 1, len(s.pending)):
                 plan.failed.append(s)
                 continue
             s.status, s.preemptions = Status.WAITING, s.preemptions + 1
@@ -92,11 +113,15 @@ class Scheduler:
         return budget
 
     def _admit(self, plan: Plan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             s = self.waiting[0]
-            cached = self.cache.try_admit(s.seq_id, s.tokens)
+            forks = len(s.pending)
+            if self.num_seqs + 1 + forks > self.max_num_seqs:
+                break
+            scoring = s.group is not None and s.group.scoring_prompt
+            cached = self.cache.try_admit(s.seq_id, s.tokens, forks, use_prefix=not scoring)
             if cached is None:
-                if not self.running and not self.cache.fits_alone(s.num_tokens + 1):
+                if not self.running and not self.cache.fits_alone(s.num_tokens + 1, forks):
                     plan.failed.append(self.waiting.popleft())
                     continue
                 break

@@ -28,6 +28,8 @@ class StepRecord:
     shared_refs: int = 0  # extra references to shared (prefix-cached) blocks
     cached_free: int = 0  # free blocks that still hold a cached prefix
     shared_blocks: int = 0  # blocks held by more than one sequence (counted once in blocks_used)
+    fork_shared_blocks: int = 0  # blocks shared by forks of one request (parallel sampling)
+    fork_refs: int = 0  # extra references the forks hold on them
 
     @property
     def utilization(self) -> float:
@@ -74,11 +76,11 @@ class RunStats:
 
     def record_request(self, out) -> None:
         self.num_requests += 1
-        if out.finish_reason == "error" and not out.token_ids:
+        if out.finish_reason == "error" and not out.num_output_tokens:
             self.num_failed += 1
             return
         self.prompt_tokens += len(out.prompt_token_ids)
-        self.output_tokens += len(out.token_ids)
+        self.output_tokens += out.num_output_tokens  # every completion of an n > 1 request
         for xs, v in ((self.ttft, out.ttft_s), (self.tpot, out.tpot_s), (self.latency, out.latency_s)):
             if v is not None:
                 xs.append(v)
@@ -107,7 +109,7 @@ class RunStats:
             "peak_wasted_slots": max((s.slots_allocated - s.tokens_stored for s in used), default=0),
             "preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
             "prefill_tokens": sum(s.prefill_tokens for s in self.steps),
-            **self._prefix_summary(),
+            **self._prefix_summary(), **self._fork_summary(),
             "decode_tokens": sum(s.decode_tokens for s in self.steps),
             "forward_s": round(self.forward_s, 4),
             # Everything in the run's wall time that is not the model's forward pass: scheduling,
@@ -128,6 +130,11 @@ class RunStats:
                 "prefix_cache_hit_rate": round(h / q, 4) if q else 0.0,
                 "prefill_tokens_skipped": h,
                 "peak_shared_refs": max((s.shared_refs for s in self.steps), default=0)}
+
+    def _fork_summary(self) -> dict:
+        return {"forks": getattr(self.cache, "forks", 0), "cow_copies": getattr(self.cache, "cow_copies", 0),
+                "peak_fork_shared_blocks": max((s.fork_shared_blocks for s in self.steps), default=0),
+                "peak_fork_refs": max((s.fork_refs for s in self.steps), default=0)}
 
     def timeline(self) -> list[dict]:
         return [asdict(s) | {"utilization": round(s.utilization, 4)} for s in self.steps]
