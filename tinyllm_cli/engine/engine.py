@@ -295,7 +295,12 @@ class LLMEngine:
         s.status, s.finish_reason, s.finish_time, s.error = Status.FINISHED, reason, time.perf_counter(), error
         g = s.group
         g.finished += 1
-        return self._output(g) if g.finished == len(g.seqs) else None
+        if g.finished < len(g.seqs):
+            return None
+        out = self._output(g)
+        for f in g.seqs:  # Sequence <-> Group is a cycle: break it so a finished request is freed now
+            f.group = None
+        return out
 
     def _completion(self, s: Sequence) -> Completion:
         out_ids = s.output_ids
