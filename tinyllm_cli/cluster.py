@@ -367,9 +367,9 @@ class ClusterEngine:
                 continue  # not ours any more: never accept an output twice
             out.id = req.id
             s.requests += 1
-            s.failed += out.finish_reason == "error" and not out.token_ids
-            s.prompt_tokens += len(out.prompt_token_ids) if out.token_ids else 0
-            s.output_tokens += len(out.token_ids)
+            s.failed += out.finish_reason == "error" and not out.num_output_tokens
+            s.prompt_tokens += len(out.prompt_token_ids) if out.num_output_tokens else 0
+            s.output_tokens += out.num_output_tokens  # every completion of an n > 1 request
             self.stats.record_request(out)
             done.append(out)
         return done
