@@ -77,7 +77,7 @@ class BenchSpec:
         ns = tuple(_int_list(n_values, "--n")) if n_values else (1,)
         return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat,
                    prefix_len, num_prefixes, tuple(modes[m] for m in picked), baseline, roofline, profile,
-                   repeat, ns)
+                   repeat, n_values=ns)
 
     def combos(self) -> list[tuple[str, int, bool, int]]:
         out = []
