@@ -223,7 +223,7 @@ def load_gguf(path: Path, progress: bool = True, quant: str = "none") -> Checkpo
         name = _hf_name(t.name)
         if name is None:
             continue
-        heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(t.name.split(".")[-2]) if permuted else None
+        heads = _permuted_heads(t.name, cfg) if permuted else None
         if quant == "gguf" and (q := _quantized(t, name, heads)) is not None:
             weights[name] = q
             continue
@@ -234,10 +234,8 @@ def load_gguf(path: Path, progress: bool = True, quant: str = "none") -> Checkpo
             raise CheckpointError(f"GGUF tensor {t.name} in {path} has type {kind}, which this loader "
                                   f"cannot dequantize") from e
         w = np.asarray(w, dtype=np.float32)
-        if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute(w, cfg.num_heads)
-        elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute(w, cfg.num_kv_heads)
+        if heads is not None:
+            w = _unpermute(w, heads)
         weights[name] = torch.from_numpy(np.array(w, copy=True, order="C"))
     check_weights(cfg, weights, str(path))
     try:
@@ -248,6 +246,11 @@ def load_gguf(path: Path, progress: bool = True, quant: str = "none") -> Checkpo
         raise CheckpointError(f"cannot build the tokenizer of {path} ({_first_line(e)})") from e
     name = _field(reader, "general.name", path.stem)
     return Checkpoint(cfg, weights, tok, str(path), str(name))
+
+
+def _permuted_heads(gguf_name: str, cfg: ModelConfig) -> int | None:
+    """The head count llama.cpp permuted this tensor's rows by (Q and K weights and biases)."""
+    return {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(gguf_name.split(".")[-2])
 
 
 def _quantized(t, name: str, heads: int | None):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .gemm import pack_linears, resolve_gemm
-from .quant import Int4Linear, Int8Embedding, Int8Rows, QuantWeight, TiedInt8Head, is_quantized
+from .quant import Int4Linear, Int8Embedding, Int8Rows, QuantWeight, Int8Head, is_quantized
 
 
 @dataclass
@@ -230,8 +230,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
     model.inv_freq = rope_inv_freq(cfg)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    missing = [n for n, p in model.named_parameters() if p.is_meta and n.removesuffix(".weight") not in
-               {k.removesuffix(".weight") for k in quantized}]
+    missing = [n for n, p in model.named_parameters() if p.is_meta and n not in quantized]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:4])}")
     install_quantized(model, quantized, state)
@@ -255,13 +254,13 @@ def install_quantized(model: LlamaModel, quantized: dict, state: dict) -> None:
             if isinstance(w, Int8Rows):
                 model.embed = Int8Embedding(w)
                 if model.cfg.tie_word_embeddings:
-                    model.lm_head = TiedInt8Head(model.embed)
+                    model.lm_head = Int8Head(model.embed)
             else:  # int4 rows cannot be looked up cheaply: keep this one dequantized
                 model.embed.weight = nn.Parameter(w.dequantize(), requires_grad=False)
                 if model.cfg.tie_word_embeddings:
                     model.lm_head.weight = model.embed.weight
         elif isinstance(w, Int8Rows):
-            setattr(parent, leaf, TiedInt8Head(Int8Embedding(w)))
+            setattr(parent, leaf, Int8Head(Int8Embedding(w)))
         else:
             setattr(parent, leaf, Int4Linear(w, state.get(name.removesuffix("weight") + "bias")))
 

@@ -34,7 +34,6 @@ from torch import Tensor, nn
 
 GROUP = 32
 ACT_DTYPE = torch.bfloat16
-QUANT_MODES = ("none", "gguf")
 
 
 @dataclass
@@ -183,8 +182,9 @@ class Int8Embedding(nn.Module):
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
 
 
-class TiedInt8Head(nn.Module):
-    """The output projection of a tied model, reading the embedding's int8 rows (no copy)."""
+class Int8Head(nn.Module):
+    """The output projection over an ``Int8Embedding``'s rows: a tied model's embedding itself
+    (no copy), or an untied Q8_0 output matrix."""
 
     def __init__(self, embed: Int8Embedding):
         super().__init__()
