@@ -235,6 +235,13 @@ def test_killed_worker_loses_nothing(cluster, workload, tmp_path):
     assert sum(w["requests"] for w in s["workers"]) == 200
 
 
+def start_two_worker_generate(cluster, prompts, out: Path) -> subprocess.Popen:
+    """``generate`` on two workers, one sequence each (slow enough to interrupt mid-run)."""
+    return subprocess.Popen(cli("generate", "-p", prompts, "--model", cluster.model, "--max-num-seqs", 1,
+                                "--workers", 2, "-o", out, "-q", "--ray-address", cluster.address),
+                            stderr=subprocess.PIPE, text=True, env=cluster.env)
+
+
 def wait_for_worker_and_progress(cluster, proc, out: Path):
     """An EngineWorker actor of this run (a child of one of our raylets) once results are flowing."""
     deadline = time.monotonic() + START_S
@@ -262,9 +269,7 @@ def engine_workers(marker: str):
 def test_sigint_then_resume_with_workers(cluster, workload, tmp_path):
     p, ref = workload
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(cli("generate", "-p", p, "--model", cluster.model, "--max-num-seqs", 1,
-                                "--workers", 2, "-o", out, "-q", "--ray-address", cluster.address),
-                            stderr=subprocess.PIPE, text=True, env=cluster.env)
+    proc = start_two_worker_generate(cluster, p, out)
     try:
         wait_for_worker_and_progress(cluster, proc, out)
         proc.send_signal(signal.SIGINT)
@@ -368,9 +373,7 @@ def test_serve_batch_with_workers_streams_stdin_in_completion_order(cluster, tmp
 def test_every_worker_gone_exits_1_keeping_finished_lines(cluster, workload, tmp_path):
     p, ref = workload
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(cli("generate", "-p", p, "--model", cluster.model, "--max-num-seqs", 1,
-                                "--workers", 2, "-o", out, "-q", "--ray-address", cluster.address),
-                            stderr=subprocess.PIPE, text=True, env=cluster.env)
+    proc = start_two_worker_generate(cluster, p, out)
     try:
         wait_for_worker_and_progress(cluster, proc, out)
         for w in list(engine_workers(str(cluster.tmp))):
