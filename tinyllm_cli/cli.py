@@ -51,6 +51,7 @@ DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 o
 GemmOpt = Annotated[Optional[str], typer.Option(help="Weight matmuls: auto (oneDNN with packed weights on CPU), onednn or torch.")]
 QuantOpt = Annotated[Optional[str], typer.Option(help="Weights: none (dequantize) or gguf (keep a GGUF's 4-/8-bit blocks; CPU, bfloat16).")]
 CacheOpt = Annotated[Optional[str], typer.Option("--cache", help="KV cache kind: paged or slot.")]
+AttnOpt = Annotated[Optional[str], typer.Option("--attention", help="Decode attention: auto, kernel (reads K/V blocks in place; CPU) or gather (SDPA on a copy).")]
 BlockOpt = Annotated[Optional[int], typer.Option(help="Tokens per KV block (paged cache).")]
 NumBlocksOpt = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (wins over --kv-memory).")]
 KvMemOpt = Annotated[Optional[str], typer.Option(help="KV pool size in bytes, e.g. 512MiB.")]
@@ -84,7 +85,7 @@ WorkerGpusOpt = Annotated[Optional[float], typer.Option("--worker-gpus", help="G
 
 
 def overrides(**kw) -> dict:
-    keys = {"model": "model", "device": "device", "dtype": "dtype", "gemm": "gemm", "quant": "quant", "cache": "cache.kind",
+    keys = {"model": "model", "device": "device", "dtype": "dtype", "gemm": "gemm", "quant": "quant", "cache": "cache.kind", "attention": "cache.attention",
             "block_size": "cache.block_size", "num_blocks": "cache.num_blocks", "kv_memory": "cache.kv_memory",
             "max_model_len": "cache.max_model_len", "max_num_seqs": "scheduler.max_num_seqs",
             "max_prefill_tokens": "scheduler.max_prefill_tokens", "max_new_tokens": "sampling.max_new_tokens",
@@ -106,7 +107,7 @@ def generate(
     resume: Annotated[bool, typer.Option(help="Skip ids already in --output and append the rest.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 1 if any request failed.")] = False,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, quant: QuantOpt = None, cache: CacheOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
+    gemm: GemmOpt = None, quant: QuantOpt = None, cache: CacheOpt = None, attention: AttnOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
     kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None,
     max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
     top_p: TopPOpt = None, top_k: TopKOpt = None, min_p: MinPOpt = None, repetition_penalty: RepOpt = None,
@@ -138,7 +139,7 @@ def serve_batch(
     request_rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals per second (default: as fast as read).")] = None,
     max_inflight: Annotated[Optional[int], typer.Option(help="Most requests inside the engine at once.")] = None,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, quant: QuantOpt = None, cache: CacheOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
+    gemm: GemmOpt = None, quant: QuantOpt = None, cache: CacheOpt = None, attention: AttnOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
     kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None,
     max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
     top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None, ignore_eos: EosOpt = None,
@@ -185,8 +186,8 @@ def bench(
     profile: Annotated[bool, typer.Option("--profile", help="Rerun the first row under torch.profiler; show where the time goes.")] = False,
     n_values: Annotated[Optional[str], typer.Option("--n", help="Comma list of completions per prompt, e.g. 1,4: one row each.")] = None,
     config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, quant: QuantOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None,
-    max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
+    gemm: GemmOpt = None, quant: QuantOpt = None, attention: AttnOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
+    max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
     quiet: QuietOpt = False, debug: DebugOpt = False, plot: PlotOpt = None,
     workers: Annotated[Optional[str], typer.Option("--workers", help="Comma list of Ray worker counts, e.g. 1,2 "
                                                    "(1 = in-process); rows report scaling.")] = None,
@@ -200,7 +201,7 @@ def bench(
     prepare(plot)
     counts = worker_counts(workers)
     cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, quant=quant, num_blocks=num_blocks,
-                                         kv_memory=kv_memory, max_num_seqs=max_num_seqs,
+                                         attention=attention, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
                                          max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
                                          workers=max(counts), ray_address=ray_address, worker_cpus=worker_cpus,
                                          worker_gpus=worker_gpus))

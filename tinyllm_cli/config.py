@@ -33,6 +33,7 @@ class CacheConfig:
     kv_memory: str = "512MiB"
     max_model_len: int = 2048
     prefix_caching: bool = True  # paged only: reuse K/V blocks of shared prompt prefixes
+    attention: str = "auto"  # decode rows: kernel (reads blocks in place, CPU), gather (SDPA on a copy), auto
 
 
 @dataclass
@@ -278,6 +279,10 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         raise UsageError(f"gemm{at('gemm', '')} must be one of {', '.join(GEMMS)}, not {cfg.gemm!r}")
     if cfg.quant not in QUANTS:
         raise UsageError(f"quant{at('quant', '')} must be one of {', '.join(QUANTS)}, not {cfg.quant!r}")
+    from .cache.attention import ATTENTION_PATHS
+    if c.attention not in ATTENTION_PATHS:
+        raise UsageError(f"cache.attention{at('cache.attention', '')} must be one of {', '.join(ATTENTION_PATHS)}, "
+                         f"not {c.attention!r}")
     if not (cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")):
         raise UsageError(f"device{at('device', '')} must be auto, cpu, cuda or cuda:N, not {cfg.device!r}")
     from .cache.kv import CacheError, parse_bytes

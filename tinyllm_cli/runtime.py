@@ -62,6 +62,7 @@ class Runtime:
         """What ran, for stats files and bench rows."""
         return {"model": self.model_name, "load_s": round(self.load_s, 3),
                 "dtype": str(self.dtype).removeprefix("torch."), "gemm": self.model.gemm, "quant": self.model.quant,
+                "native_kernels": bool(getattr(self.model, "native", False)),
                 "device": str(self.device)}
 
     def describe(self) -> str:
@@ -108,12 +109,13 @@ def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
     max_len = min(c.max_model_len, mcfg.max_position_embeddings)
     try:
         if c.kind == "slot":
-            return SlotKVCache.from_budget(mcfg, kv_budget(cfg, mcfg, rt.dtype), max_len, rt.dtype, rt.device)
+            return SlotKVCache.from_budget(mcfg, kv_budget(cfg, mcfg, rt.dtype), max_len, rt.dtype, rt.device,
+                                           attention=c.attention)
         if c.num_blocks is not None:
             return PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device,
-                                prefix_caching=c.prefix_caching)
+                                prefix_caching=c.prefix_caching, attention=c.attention)
         return PagedKVCache.from_budget(mcfg, parse_bytes(c.kv_memory), c.block_size, rt.dtype, rt.device,
-                                        prefix_caching=c.prefix_caching)
+                                        prefix_caching=c.prefix_caching, attention=c.attention)
     except CacheError as e:
         raise UsageError(str(e))
 

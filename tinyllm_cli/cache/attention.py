@@ -13,11 +13,16 @@ Invariants:
   additive mask hides them, so padding never changes a result.
 - Nothing here syncs with the device: indices and masks were built once per step, before the
   first layer, and every layer reuses them.
+- Decode rows take one of two paths (``resolve_attention``), with the same results: ``kernel``
+  (CPU) reads K/V in place through the block tables (``tinyllm_cli/kernels``); ``gather`` copies
+  each row's K/V into a padded batch and runs SDPA (any device; the reference in the tests).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +38,48 @@ class PrefillSegment:
     start: int
     gather_idx: Tensor | None  # flat slots of positions [0, start + n) when start > 0
     mask: Tensor | None = None  # [n, start + n] bool, causal from position ``start``, when start > 0
+
+
+ATTENTION_PATHS = ("auto", "kernel", "gather")
+
+
+@dataclass
+class DecodeRows:
+    """Where the decode rows' K/V are: block tables and lengths (``kernel``), or flat gather
+    indices padded with the scratch slot and their mask (``gather``)."""
+
+    tables: Tensor | None = None  # [B, max blocks] int64, padded with block 0 (never read)
+    lens: Tensor | None = None  # [B] int64, this step's token included
+    block_size: int = 0
+    idx: Tensor | None = None  # [B, L] flat slots
+    mask: Tensor | None = None  # [B, 1, 1, L] bool
+
+
+def resolve_attention(name: str, device: torch.device) -> str:
+    """'auto' -> 'kernel' on a CPU where the kernel builds, else 'gather'. An explicit 'kernel'
+    that cannot run is a ValueError naming why."""
+    if name not in ATTENTION_PATHS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, not {name!r}")
+    if name == "gather":
+        return "gather"
+    from .. import kernels
+
+    if device.type != "cpu":
+        if name == "kernel":
+            raise ValueError(f"attention 'kernel' runs on the CPU only (here: {device}); use 'gather' or 'auto'")
+        return "gather"
+    if kernels.load():
+        return "kernel"
+    if name == "kernel":
+        raise ValueError(f"attention 'kernel' is unavailable: it did not build ({kernels.load_error()})")
+    _note_fallback(kernels.load_error())
+    return "gather"
+
+
+@lru_cache(maxsize=1)
+def _note_fallback(reason: str | None) -> None:
+    print(f"note: tinyllm's CPU attention kernel did not build ({reason}); decode attention uses "
+          f"the slower PyTorch gather path", file=sys.stderr)
 
 
 def chunk_mask(start: int, n: int, device) -> Tensor:
@@ -76,14 +123,13 @@ class StepAttention:
         v_pools: list[Tensor],
         slot_mapping: Tensor,
         n_decode: int,
-        decode_idx: Tensor | None,
-        decode_mask: Tensor | None,
+        decode: DecodeRows | None,
         segments: list[PrefillSegment],
     ):
         self.k_pools, self.v_pools = k_pools, v_pools
         self.slot_mapping = slot_mapping
         self.n_decode = n_decode
-        self.decode_idx, self.decode_mask = decode_idx, decode_mask
+        self.decode = decode
         self.segments = segments
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -93,11 +139,7 @@ class StepAttention:
         outs = []
         nd = self.n_decode
         if nd:
-            b, l = self.decode_idx.shape
-            flat = self.decode_idx.reshape(-1)
-            kc = kp.index_select(0, flat).view(b, l, *kp.shape[1:])
-            vc = vp.index_select(0, flat).view(b, l, *vp.shape[1:])
-            outs.append(decode_attention(q[:nd], kc, vc, self.decode_mask))
+            outs.append(self._decode(q[:nd], kp, vp))
         for seg in self.segments:
             rows = slice(seg.row, seg.row + seg.n)
             if seg.gather_idx is None:  # fresh prompt: its own K/V are all there is
@@ -106,6 +148,18 @@ class StepAttention:
                 kc, vc = kp.index_select(0, seg.gather_idx), vp.index_select(0, seg.gather_idx)
                 outs.append(causal_attention(q[rows], kc, vc, seg.mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _decode(self, q: Tensor, kp: Tensor, vp: Tensor) -> Tensor:
+        d = self.decode
+        if d.tables is not None:
+            from ..kernels import paged_decode_attention
+
+            return paged_decode_attention(q, kp, vp, d.tables, d.lens, d.block_size, q.shape[-1] ** -0.5)
+        b, l = d.idx.shape
+        flat = d.idx.reshape(-1)
+        kc = kp.index_select(0, flat).view(b, l, *kp.shape[1:])
+        vc = vp.index_select(0, flat).view(b, l, *vp.shape[1:])
+        return decode_attention(q, kc, vc, d.mask)
 
 
 class NoCacheAttention:

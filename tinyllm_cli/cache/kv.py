@@ -37,7 +37,7 @@ import torch
 from ..model.llama import ModelConfig
 from ..transfer import to_device
 from .allocator import BlockPool
-from .attention import PrefillSegment, StepAttention, chunk_mask
+from .attention import DecodeRows, PrefillSegment, StepAttention, chunk_mask, resolve_attention
 
 
 class CacheError(ValueError):
@@ -113,11 +113,16 @@ class PagedKVCache:
     kind = "paged"
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, scratch_slots: int | None = None, prefix_caching: bool = False):
+                 device: torch.device | str, scratch_slots: int | None = None, prefix_caching: bool = False,
+                 attention: str = "auto"):
         if block_size <= 0 or num_blocks <= 0:
             raise CacheError("block_size and num_blocks must be positive")
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         self.device, self.dtype = torch.device(device), dtype
+        try:  # 'kernel' or 'gather': how decode rows read K/V (cache/attention.py)
+            self.attention = resolve_attention(attention, self.device)
+        except ValueError as e:
+            raise CacheError(str(e))
         self.bytes_per_token = token_bytes(cfg, dtype)
         self.kv_bytes = num_blocks * block_size * self.bytes_per_token
         # The scratch block follows the real ones; the slot cache needs only one scratch slot.
@@ -342,26 +347,26 @@ class PagedKVCache:
                 mask = chunk_mask(start, n, self.device)
             segments.append(PrefillSegment(row, n, start, gather, mask))
             row += n
-        decode_idx = decode_mask = None
+        rows = None
         if decode:
-            decode_idx, decode_mask = self._decode_index([self.tables[s] for s in decode],
-                                                         [self.lens[s] for s in decode])
+            rows = self._decode_rows([self.tables[s] for s in decode], [self.lens[s] for s in decode])
         mapping = to_device(slot_mapping, self.device)
-        return StepAttention(list(self.k), list(self.v), mapping, len(decode), decode_idx,
-                             decode_mask, segments)
+        return StepAttention(list(self.k), list(self.v), mapping, len(decode), rows, segments)
 
-    def _decode_index(self, tables: list[list[int]], lens: list[int]):
-        """Flat slot of every (row, position) up to the longest row, padded with scratch."""
+    def _decode_rows(self, tables: list[list[int]], lens: list[int]) -> DecodeRows:
+        """The kernel reads through the tables themselves; the gather path wants the flat slot of
+        every (row, position) up to the longest row, padded with scratch."""
         bs, nb = self.block_size, max(len(t) for t in tables)
         pad = self.num_blocks  # the scratch block id
         table = to_device([t + [pad] * (nb - len(t)) for t in tables], self.device)
         lens_t = to_device(lens, self.device)
-        longest = max(lens)
-        pos = torch.arange(longest, device=self.device)
+        if self.attention == "kernel":
+            return DecodeRows(tables=table, lens=lens_t, block_size=bs)
+        pos = torch.arange(max(lens), device=self.device)
         idx = table[:, pos // bs] * bs + pos % bs
         valid = pos[None, :] < lens_t[:, None]
         idx = torch.where(valid, idx, torch.full_like(idx, self.scratch_slot))
-        return idx, valid[:, None, None, :]
+        return DecodeRows(idx=idx, mask=valid[:, None, None, :])
 
     # ---- observation ---------------------------------------------------------------------
 
@@ -391,8 +396,8 @@ class SlotKVCache(PagedKVCache):
 
     kind = "slot"
 
-    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype, device):
-        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1)
+    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype, device, attention: str = "auto"):
+        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1, attention=attention)
         self.max_len = max_len
 
     @classmethod
@@ -403,7 +408,7 @@ class SlotKVCache(PagedKVCache):
             raise CacheError(
                 f"a KV budget of {kv_bytes / 2**20:.1f} MiB holds no slot of max_model_len={max_len} "
                 f"tokens ({per_slot / 2**20:.1f} MiB); raise kv_memory or lower max_model_len")
-        return cls(cfg, int(n), max_len, dtype, device)
+        return cls(cfg, int(n), max_len, dtype, device, **kw)
 
     def blocks_for(self, n_tokens: int) -> int:
         # The whole reservation, whatever the sequence's length (that is the point of comparison).

@@ -17,6 +17,9 @@ Invariants:
 - Q/K/V and gate/up are fused into one matmul each at load time (``fuse_weights``).
 - On CPU the weight matmuls run through oneDNN with pre-packed weights (``gemm.py``) unless
   ``gemm='torch'``; ``model.gemm`` says which path a loaded model uses.
+- On CPU, where ``tinyllm_cli.kernels`` builds, residual add + RMSNorm, RoPE and SiLU * up run as
+  one fused kernel each (``model.native``); the PyTorch ops stay as the reference and the path
+  for every other device. The residual add of each layer's MLP is deferred into the next norm.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels as native
 from .gemm import pack_linears, resolve_gemm
 from .quant import Int4Linear, Int8Embedding, Int8Rows, QuantWeight, Int8Head, is_quantized
 
@@ -153,23 +157,41 @@ class DecoderLayer(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.native = False  # fused CPU kernels (tinyllm_cli.kernels) for norm, RoPE, SwiGLU; see use_native_ops
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: Attention) -> Tensor:
+    def forward(self, x: Tensor, r: Tensor | None, cos: Tensor, sin: Tensor, attn: Attention) -> tuple[Tensor, Tensor]:
+        """``x`` is the residual stream and ``r`` the previous layer's MLP output, not yet added
+        to it (None before the first layer): the add is fused into this layer's first norm.
+        Returns the same pair for the next layer; ``x`` is updated in place."""
         t = x.shape[0]
-        qkv = self.qkv(self.input_norm(x))
+        qkv = self.qkv(add_norm(x, r, self.input_norm, self.native))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.n_heads + self.n_kv, self.head_dim)
         if self.qk_norm is not None:  # Qwen3 normalises each head before RoPE
             qk = self.qk_norm(qk)
         # Q and K heads rotate together in one pass.
-        qk = apply_rope(qk, cos, sin)
+        qk = native.rope_(qk, cos, sin) if self.native else apply_rope(qk, cos, sin)
         q, k = qk.split([self.n_heads, self.n_kv], dim=1)
         v = v.view(t, self.n_kv, self.head_dim)
         o = attn.attend(self.index, q, k, v)
-        x = x + self.o_proj(o.reshape(t, self.q_size))
-        gate, up = self.gate_up(self.post_norm(x)).split(self.inter, dim=-1)
+        h = add_norm(x, self.o_proj(o.reshape(t, self.q_size)), self.post_norm, self.native)
+        return x, self.down(self.swiglu(self.gate_up(h)))
+
+    def swiglu(self, gate_up: Tensor) -> Tensor:
+        if self.native:
+            return native.silu_mul(gate_up)
+        gate, up = gate_up.split(self.inter, dim=-1)
         # In place: gate and up are views of a fresh matmul output nobody else holds.
-        return x.add_(self.down(F.silu(gate, inplace=True).mul_(up)))
+        return F.silu(gate, inplace=True).mul_(up)
+
+
+def add_norm(x: Tensor, r: Tensor | None, norm: RMSNorm, fused: bool) -> Tensor:
+    """``x += r`` (when r is given), then ``norm(x)``: one pass with the native kernel."""
+    if fused:
+        return native.add_rms_norm_(x, r, norm.weight, norm.eps)
+    if r is not None:
+        x.add_(r)
+    return norm(x)
 
 
 class LlamaModel(nn.Module):
@@ -184,6 +206,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.gemm = "torch"
+        self.native = False  # see use_native_ops
         self.quant = "none"  # 'gguf' when some weights are held quantized (quant.py)
 
     @property
@@ -208,13 +231,14 @@ class LlamaModel(nn.Module):
         self, input_ids: Tensor, positions: Tensor, attn: Attention, logits_index: Tensor | None = None
     ) -> Tensor:
         """Packed forward: returns float32 logits for the rows in ``logits_index`` (all if None)."""
-        x = self.embed(input_ids)
+        x, r = self.embed(input_ids), None
         cos, sin = self.rope(positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+            x, r = layer(x, r, cos, sin, attn)
         if logits_index is not None:
             x = x.index_select(0, logits_index)
-        return self.lm_head(self.norm(x)).float()
+            r = None if r is None else r.index_select(0, logits_index)
+        return self.lm_head(add_norm(x, r, self.norm, self.native)).float()
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype, device: str,
@@ -241,7 +265,16 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
     if model.gemm == "onednn":
         pack_linears(model)
     model.quant = "gguf" if quantized else "none"
+    use_native_ops(model, native.load() if torch.device(device).type == "cpu" else False)
     return model
+
+
+def use_native_ops(model: LlamaModel, on: bool) -> None:
+    """Run RMSNorm (+ residual add), RoPE and SwiGLU through the fused CPU kernels, or (off, and
+    on any other device) through the PyTorch ops above, which the tests use as the reference."""
+    model.native = on
+    for layer in model.layers:
+        layer.native = on
 
 
 def install_quantized(model: LlamaModel, quantized: dict, state: dict) -> None:

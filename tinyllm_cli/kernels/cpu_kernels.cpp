@@ -1,0 +1,331 @@
+// tinyllm's CPU kernels, registered as torch.ops.tinyllm.* (kernels/__init__.py builds this file).
+//
+// paged_decode_attention: one query token per sequence, K/V read where they live in the block
+// pool (no gather copy), grouped-query heads without repeating K/V.
+//   q            [B, H, D]      float32 / bfloat16 / float16; the last dim contiguous
+//   k_pool       [S, Hkv, D]    one layer's pool, contiguous; slot s holds one token's K
+//   v_pool       [S, Hkv, D]
+//   block_tables [B, NB] int64  physical block ids; row b is sequence b's table (padding ignored)
+//   lens         [B] int64      tokens stored for sequence b, this step's own token included
+//   returns      [B, H, D]      softmax(q . K^T * scale) V over positions [0, lens[b])
+// Position p of sequence b lives at slot block_tables[b][p / block_size] * block_size + p % block_size.
+// Work is split over (sequence, kv head) pairs: each pair reads its K/V rows once for all
+// G = H / Hkv query heads that share them.
+//
+// Three fused elementwise ops the decoder layer runs around it: add_rms_norm_ (residual add +
+// RMSNorm), silu_mul (SwiGLU's silu(gate) * up) and rope_ (rotary embedding in place).
+//
+// Numerics, for every op: loads widen to float32, all arithmetic is float32, and each result is
+// rounded once to the tensor's dtype (bfloat16: round to nearest even, as PyTorch rounds).
+// Inner loops run over raw storage (float, or uint16_t bits for bfloat16) so that they vectorize.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+// ---- storage types: how a dtype's elements load to and store from float32 -------------------
+
+struct F32 {
+  using T = float;
+  static float ld(float v) { return v; }
+  static float st(float f) { return f; }
+};
+
+struct BF16 {
+  using T = uint16_t;  // bfloat16 bits
+  static float ld(uint16_t v) {
+    const uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  static uint16_t st(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // nearest, ties to even
+    return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);  // NaN stays NaN
+  }
+};
+
+struct F16 {
+  using T = c10::Half;
+  static float ld(c10::Half v) { return static_cast<float>(v); }
+  static c10::Half st(float f) { return static_cast<c10::Half>(f); }
+};
+
+template <typename S>
+typename S::T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<typename S::T*>(t.data_ptr());
+}
+
+// Calls fn.template operator()<S>() with the storage type of ``dtype``.
+template <typename Fn>
+void dispatch(at::ScalarType dtype, const char* op, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn.template operator()<F32>(); break;
+    case at::kBFloat16: fn.template operator()<BF16>(); break;
+    case at::kHalf: fn.template operator()<F16>(); break;
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16 only, not ", dtype);
+  }
+}
+
+// exp(x), vectorizable (std::exp is not, and one call per element costs more than the rest of
+// a row's work): x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 Taylor polynomial
+// (relative error < 2e-7, about float32's rounding), 2^n written straight into the exponent
+// bits. x is clamped to [-87, 88], where expf is still finite and normal.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float shift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in its low bits
+  const float n = (x * 1.44269504088896341f + shift) - shift;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 split in two for exactness
+  float p = 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Rows [0, rows) in parallel; small steps (one decode token) stay on one thread, where waking
+// the pool would cost more than the work.
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elems, const F& fn) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) fn(t);
+  });
+}
+
+// ---- paged decode attention ----------------------------------------------------------------
+
+// DIM > 0: the head size known at compile time (64 and 128 are), so the inner loops unroll into
+// whole vector registers; DIM == 0 reads it from ``dim_rt``.
+template <typename S, int64_t DIM>
+void decode_pair(const typename S::T* q, int64_t q_stride_h, const typename S::T* k_pool,
+                 const typename S::T* v_pool, const int64_t* table, int64_t len, int64_t block_size, int64_t hkv,
+                 int64_t kv_head, int64_t groups, int64_t dim_rt, float scale, typename S::T* out,
+                 std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
+  using T = typename S::T;
+  const int64_t dim = DIM > 0 ? DIM : dim_rt;
+  const int64_t row_stride = hkv * dim;  // elements between two consecutive slots of the pool
+  qf.resize(groups * dim);
+  scores.resize(groups * len);
+  acc.assign(groups * dim, 0.0f);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = S::ld(q[g * q_stride_h + d]) * scale;
+
+  // Pass 1: scores, block by block (no division per position; a block's slots are consecutive),
+  // one K row read per position for all G query heads.
+  for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
+    const int64_t n = std::min(block_size, len - start);
+    const T* k = k_pool + table[j] * block_size * row_stride + kv_head * dim;
+    for (int64_t o = 0; o < n; ++o, k += row_stride) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* qg = qf.data() + g * dim;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < dim; ++d) s += qg[d] * S::ld(k[d]);
+        scores[g * len + start + o] = s;
+      }
+    }
+  }
+  // Softmax per query head.
+  std::vector<float> inv_sum(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    float* sg = scores.data() + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < len; ++p) m = std::max(m, sg[p]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t p = 0; p < len; ++p) {
+      sg[p] = fast_exp(sg[p] - m);
+      total += sg[p];
+    }
+    inv_sum[g] = 1.0f / total;
+  }
+  // Pass 2: the weighted sum of V rows, again one read per position.
+  for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
+    const int64_t n = std::min(block_size, len - start);
+    const T* v = v_pool + table[j] * block_size * row_stride + kv_head * dim;
+    for (int64_t o = 0; o < n; ++o, v += row_stride) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float w = scores[g * len + start + o];
+        float* ag = acc.data() + g * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ag[d] += w * S::ld(v[d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = S::st(acc[g * dim + d] * inv_sum[g]);
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q [B,H,D], pools [S,Hkv,D]");
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_decode_attention runs on the CPU");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "K/V pools must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "q and the pools must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables and lens");
+  const auto tables = block_tables.contiguous();
+  const auto lens_c = lens.contiguous();
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), hkv = k_pool.size(1);
+  TORCH_CHECK(k_pool.size(2) == dim && heads % hkv == 0, "head_dim or head counts do not match");
+  TORCH_CHECK(tables.size(0) == batch && lens_c.size(0) == batch, "one table and one length per row of q");
+  const int64_t groups = heads / hkv, nb = tables.size(1), slots = k_pool.size(0);
+  const int64_t* lens_p = lens_c.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens_p[b] >= 1 && lens_p[b] <= nb * block_size, "a length is outside its block table");
+    for (int64_t j = 0; j < (lens_p[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tp[b * nb + j] >= 0 && (tp[b * nb + j] + 1) * block_size <= slots, "a block id is outside the pool");
+  }
+  auto out = at::empty({batch, heads, dim}, q.options());
+  dispatch(q.scalar_type(), "paged_decode_attention", [&]<typename S>() {
+    const auto* qp = ptr<S>(q);
+    const auto* kp = ptr<S>(k_pool);
+    const auto* vp = ptr<S>(v_pool);
+    auto* op = ptr<S>(out);
+    const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+    auto pair_fn = dim == 64 ? &decode_pair<S, 64> : dim == 128 ? &decode_pair<S, 128> : &decode_pair<S, 0>;
+    at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf, scores, acc;  // per thread, reused across pairs
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t b = pair / hkv, h = pair % hkv;
+        pair_fn(qp + b * qs0 + h * groups * qs1, qs1, kp, vp, tp + b * nb, lens_p[b], block_size, hkv, h, groups,
+                dim, static_cast<float>(scale), op + (b * heads + h * groups) * dim, qf, scores, acc);
+      }
+    });
+  });
+  return out;
+}
+
+// ---- fused elementwise ops -----------------------------------------------------------------
+
+template <typename S>
+void add_rms_norm_row(typename S::T* x, const typename S::T* r, const typename S::T* w, typename S::T* out,
+                      int64_t n, float eps) {
+  if (r != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) x[i] = S::st(S::ld(x[i]) + S::ld(r[i]));  // rounded as a plain add
+  }
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += S::ld(x[i]) * S::ld(x[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = S::st(S::ld(x[i]) * inv * S::ld(w[i]));
+}
+
+// x += residual (when given), then out = x * rsqrt(mean(x^2) + eps) * weight.
+// x [T, N] contiguous, updated in place; weight [N]; returns out [T, N].
+at::Tensor add_rms_norm_(at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                         double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "x [T, N] and weight contiguous");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(1), "weight [N] in x's dtype");
+  at::Tensor r;
+  if (residual.has_value()) {
+    r = residual->contiguous();
+    TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type(), "residual must match x");
+  }
+  auto out = at::empty_like(x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x.scalar_type(), "add_rms_norm_", [&]<typename S>() {
+    auto* xp = ptr<S>(x);
+    const auto* rp = r.defined() ? ptr<S>(r) : nullptr;
+    const auto* wp = ptr<S>(weight);
+    auto* op = ptr<S>(out);
+    for_rows(rows, n, [&](int64_t t) {
+      add_rms_norm_row<S>(xp + t * n, rp ? rp + t * n : nullptr, wp, op + t * n, n, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+template <typename S>
+void silu_mul_row(const typename S::T* g, const typename S::T* u, typename S::T* o, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float gv = S::ld(g[i]);
+    o[i] = S::st(gv / (1.0f + fast_exp(-gv)) * S::ld(u[i]));
+  }
+}
+
+// gate_up [T, 2I] (gate then up, as the fused projection writes them) -> silu(gate) * up [T, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "gate_up [T, 2I]");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = at::empty({rows, inter}, gate_up.options());
+  dispatch(gate_up.scalar_type(), "silu_mul", [&]<typename S>() {
+    const auto* gp = ptr<S>(gate_up);
+    auto* op = ptr<S>(out);
+    for_rows(rows, inter, [&](int64_t t) { silu_mul_row<S>(gp + t * stride, gp + t * stride + inter, op + t * inter, inter); });
+  });
+  return out;
+}
+
+template <typename S>
+void rope_head(typename S::T* v, const typename S::T* c, const typename S::T* s, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = S::ld(v[i]), b = S::ld(v[i + half]);
+    v[i] = S::st(a * S::ld(c[i]) + b * S::ld(s[i]));
+    v[i + half] = S::st(b * S::ld(c[i + half]) + a * S::ld(s[i + half]));
+  }
+}
+
+// Rotary embedding in place, HF's rotate_half convention: x * cos + roll(x, D/2) * sin_signed,
+// where sin_signed carries rotate_half's minus on its first half. x [T, heads, D] (last dim
+// contiguous, any row strides: a view of the fused qkv output); cos, sin_signed [T, 1, D].
+at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x [T, heads, D], D even");
+  const auto c = cos.contiguous(), sn = sin_signed.contiguous();
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(c.numel() == rows * dim && sn.numel() == rows * dim, "cos / sin [T, 1, D]");
+  TORCH_CHECK(c.scalar_type() == x.scalar_type() && sn.scalar_type() == x.scalar_type(), "cos / sin in x's dtype");
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  dispatch(x.scalar_type(), "rope_", [&]<typename S>() {
+    auto* xp = ptr<S>(x);
+    const auto* cp = ptr<S>(c);
+    const auto* sp = ptr<S>(sn);
+    for_rows(rows, heads * dim, [&](int64_t t) {
+      for (int64_t h = 0; h < heads; ++h) rope_head<S>(xp + t * s0 + h * s1, cp + t * dim, sp + t * dim, dim / 2);
+    });
+  });
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tinyllm, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor lens, "
+        "int block_size, float scale) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin_signed) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
+}
