@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyllm_cli import kernels
-from tinyllm_cli.cache.attention import decode_attention, resolve_attention
+from tinyllm_cli.cache.attention import causal_attention, chunk_mask, decode_attention, resolve_attention
 from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
 from tinyllm_cli.model.llama import apply_rope, use_native_ops
 
@@ -59,26 +59,61 @@ def gather_reference(q, kp, vp, idx, mask):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32, 80])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 16)])
-def test_paged_decode_attention_matches_gather_sdpa(dtype, block_size, heads, kv_heads, dim):
+def test_paged_attention_decode_rows_match_gather_sdpa(dtype, block_size, heads, kv_heads, dim):
     q, kp, vp, tables, lens, idx, mask = paged_case(5, heads, kv_heads, dim, block_size, dtype, seed=block_size)
-    got = kernels.paged_decode_attention(q, kp, vp, tables, lens, block_size, dim ** -0.5)
+    got = kernels.paged_attention(q, kp, vp, tables, torch.arange(len(lens)), lens, block_size, dim ** -0.5)
     want = gather_reference(q, kp, vp, idx, mask)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_paged_decode_attention_is_exact_in_float64_terms():
+def test_paged_attention_is_exact_in_float64_terms():
     """float32 against a float64 softmax: the kernel's fast exp keeps float32 accuracy."""
     q, kp, vp, tables, lens, idx, mask = paged_case(6, 9, 3, 64, 16, torch.float32, seed=3, max_len=300)
-    got = kernels.paged_decode_attention(q, kp, vp, tables, lens, 16, 0.125)
+    got = kernels.paged_attention(q, kp, vp, tables, torch.arange(len(lens)), lens, 16, 0.125)
     want = gather_reference(q.double(), kp.double(), vp.double(), idx, mask)
     assert (got.double() - want).abs().max().item() < 2e-6
 
 
-def test_paged_decode_attention_rejects_a_block_outside_the_pool():
+def test_paged_attention_rejects_rows_outside_the_tables_or_pool():
     q, kp, vp, tables, lens, _, _ = paged_case(2, 4, 2, 16, 4, torch.float32)
     tables[0, 0] = kp.shape[0]  # one past the end
+    rows = torch.arange(len(lens))
     with pytest.raises(RuntimeError, match="outside the pool"):
-        kernels.paged_decode_attention(q, kp, vp, tables, lens, 4, 0.25)
+        kernels.paged_attention(q, kp, vp, tables, rows, lens, 4, 0.25)
+    tables[0, 0] = 0
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        kernels.paged_attention(q, kp, vp, tables, rows, lens + 10 ** 6, 4, 0.25)
+    with pytest.raises(RuntimeError, match="outside the block tables"):
+        kernels.paged_attention(q, kp, vp, tables, rows + 5, lens, 4, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_paged_attention_prefill_rows_match_causal_sdpa(dtype, block_size):
+    """Prefill rows (a fresh prompt, and a chunk after cached positions) mixed with decode rows:
+    each prefill row at position p sees [0, p], as causal SDPA over the gathered sequence does."""
+    heads, kv_heads, dim = 9, 3, 64
+    _, kp, vp, tables, lens, _, _ = paged_case(3, heads, kv_heads, dim, block_size, dtype, seed=7, max_len=90)
+    g = torch.Generator().manual_seed(8)
+    # rows: sequence 0 decodes; sequence 1 prefills all of it; sequence 2 prefills its last 5 positions
+    n1, n2 = int(lens[1]), min(5, int(lens[2]))
+    row_seq = torch.tensor([0] + [1] * n1 + [2] * n2)
+    row_len = torch.tensor([int(lens[0])] + list(range(1, n1 + 1)) + list(range(int(lens[2]) - n2 + 1, int(lens[2]) + 1)))
+    q = torch.randn(len(row_seq), heads, dim, generator=g).to(dtype)
+    got = kernels.paged_attention(q, kp, vp, tables, row_seq, row_len, block_size, dim ** -0.5)
+
+    def seq_kv(s, n):
+        pos = torch.arange(n)
+        slots = tables[s, pos // block_size] * block_size + pos % block_size
+        return kp[slots], vp[slots]
+
+    k0, v0 = seq_kv(0, int(lens[0]))
+    want = [decode_attention(q[:1], k0[None], v0[None], torch.ones(1, 1, 1, int(lens[0]), dtype=torch.bool))]
+    k1, v1 = seq_kv(1, n1)
+    want.append(causal_attention(q[1:1 + n1], k1, v1))
+    k2, v2 = seq_kv(2, int(lens[2]))
+    want.append(causal_attention(q[1 + n1:], k2, v2, chunk_mask(int(lens[2]) - n2, n2, "cpu")))
+    torch.testing.assert_close(got.float(), torch.cat(want).float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

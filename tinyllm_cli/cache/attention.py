@@ -13,9 +13,10 @@ Invariants:
   additive mask hides them, so padding never changes a result.
 - Nothing here syncs with the device: indices and masks were built once per step, before the
   first layer, and every layer reuses them.
-- Decode rows take one of two paths (``resolve_attention``), with the same results: ``kernel``
-  (CPU) reads K/V in place through the block tables (``tinyllm_cli/kernels``); ``gather`` copies
-  each row's K/V into a padded batch and runs SDPA (any device; the reference in the tests).
+- A step takes one of two paths (``resolve_attention``), with the same results: ``kernel``
+  (CPU) serves every row, decode and prefill, in one call that reads K/V in place through the
+  block tables (``tinyllm_cli/kernels``); ``gather`` copies each decode row's K/V into a padded
+  batch for SDPA and runs SDPA per prefill segment (any device; the reference in the tests).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .. import kernels as native
 
 
 @dataclass
@@ -45,14 +48,22 @@ ATTENTION_PATHS = ("auto", "kernel", "gather")
 
 @dataclass
 class DecodeRows:
-    """Where the decode rows' K/V are: block tables and lengths (``kernel``), or flat gather
-    indices padded with the scratch slot and their mask (``gather``)."""
+    """The gather path's view of the decode rows: flat slots padded with the scratch slot, and
+    their mask."""
 
-    tables: Tensor | None = None  # [B, max blocks] int64, padded with block 0 (never read)
-    lens: Tensor | None = None  # [B] int64, this step's token included
-    block_size: int = 0
-    idx: Tensor | None = None  # [B, L] flat slots
-    mask: Tensor | None = None  # [B, 1, 1, L] bool
+    idx: Tensor  # [B, L] flat slots
+    mask: Tensor  # [B, 1, 1, L] bool
+
+
+@dataclass
+class KernelRows:
+    """The kernel path's view of every row of the step: row t attends to positions
+    ``[0, row_len[t])`` of the sequence whose block table is ``tables[row_seq[t]]``."""
+
+    tables: Tensor  # [S, max blocks] int64, padded with a block id that is never read
+    row_seq: Tensor  # [T] int64
+    row_len: Tensor  # [T] int64: a decode row's whole length; a prefill row at position p: p + 1
+    block_size: int
 
 
 def resolve_attention(name: str, device: torch.device) -> str:
@@ -62,17 +73,15 @@ def resolve_attention(name: str, device: torch.device) -> str:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_PATHS)}, not {name!r}")
     if name == "gather":
         return "gather"
-    from .. import kernels
-
     if device.type != "cpu":
         if name == "kernel":
             raise ValueError(f"attention 'kernel' runs on the CPU only (here: {device}); use 'gather' or 'auto'")
         return "gather"
-    if kernels.load():
+    if native.load():
         return "kernel"
     if name == "kernel":
-        raise ValueError(f"attention 'kernel' is unavailable: it did not build ({kernels.load_error()})")
-    _note_fallback(kernels.load_error())
+        raise ValueError(f"attention 'kernel' is unavailable: it did not build ({native.load_error()})")
+    _note_fallback(native.load_error())
     return "gather"
 
 
@@ -115,7 +124,9 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None
 
 
 class StepAttention:
-    """Per-step attention state over a cache's K/V pools (one flat pool per layer)."""
+    """Per-step attention state over a cache's K/V pools (one flat pool per layer). ``kernel``
+    set: one kernel call serves every row; otherwise decode rows use ``decode`` (gather) and
+    each prefill segment its own SDPA call."""
 
     def __init__(
         self,
@@ -125,21 +136,32 @@ class StepAttention:
         n_decode: int,
         decode: DecodeRows | None,
         segments: list[PrefillSegment],
+        kernel: KernelRows | None = None,
     ):
         self.k_pools, self.v_pools = k_pools, v_pools
         self.slot_mapping = slot_mapping
         self.n_decode = n_decode
         self.decode = decode
         self.segments = segments
+        self.kernel = kernel
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]
         kp.index_copy_(0, self.slot_mapping, k)
         vp.index_copy_(0, self.slot_mapping, v)
+        r = self.kernel
+        if r is not None:
+            return native.paged_attention(q, kp, vp, r.tables, r.row_seq, r.row_len, r.block_size,
+                                          q.shape[-1] ** -0.5)
         outs = []
         nd = self.n_decode
         if nd:
-            outs.append(self._decode(q[:nd], kp, vp))
+            d = self.decode
+            b, l = d.idx.shape
+            flat = d.idx.reshape(-1)
+            kc = kp.index_select(0, flat).view(b, l, *kp.shape[1:])
+            vc = vp.index_select(0, flat).view(b, l, *vp.shape[1:])
+            outs.append(decode_attention(q[:nd], kc, vc, d.mask))
         for seg in self.segments:
             rows = slice(seg.row, seg.row + seg.n)
             if seg.gather_idx is None:  # fresh prompt: its own K/V are all there is
@@ -148,18 +170,6 @@ class StepAttention:
                 kc, vc = kp.index_select(0, seg.gather_idx), vp.index_select(0, seg.gather_idx)
                 outs.append(causal_attention(q[rows], kc, vc, seg.mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _decode(self, q: Tensor, kp: Tensor, vp: Tensor) -> Tensor:
-        d = self.decode
-        if d.tables is not None:
-            from ..kernels import paged_decode_attention
-
-            return paged_decode_attention(q, kp, vp, d.tables, d.lens, d.block_size, q.shape[-1] ** -0.5)
-        b, l = d.idx.shape
-        flat = d.idx.reshape(-1)
-        kc = kp.index_select(0, flat).view(b, l, *kp.shape[1:])
-        vc = vp.index_select(0, flat).view(b, l, *vp.shape[1:])
-        return decode_attention(q, kc, vc, d.mask)
 
 
 class NoCacheAttention:

@@ -37,7 +37,7 @@ import torch
 from ..model.llama import ModelConfig
 from ..transfer import to_device
 from .allocator import BlockPool
-from .attention import DecodeRows, PrefillSegment, StepAttention, chunk_mask, resolve_attention
+from .attention import DecodeRows, KernelRows, PrefillSegment, StepAttention, chunk_mask, resolve_attention
 
 
 class CacheError(ValueError):
@@ -337,31 +337,42 @@ class PagedKVCache:
         for s in decode:
             slot_mapping += self.slots(s, self.lens[s], 1)
             self.lens[s] += 1
-        segments, row = [], len(decode)
         for s, start, n in prefill:
             slot_mapping += self.slots(s, start, n)
             self.lens[s] = start + n
+        mapping = to_device(slot_mapping, self.device)
+        if self.attention == "kernel":
+            return StepAttention(list(self.k), list(self.v), mapping, len(decode), None, [],
+                                 self._kernel_rows(decode, prefill))
+        segments, row = [], len(decode)
+        for s, start, n in prefill:
             gather = mask = None
             if start > 0:
                 gather = to_device(self.slots(s, 0, start + n), self.device)
                 mask = chunk_mask(start, n, self.device)
             segments.append(PrefillSegment(row, n, start, gather, mask))
             row += n
-        rows = None
-        if decode:
-            rows = self._decode_rows([self.tables[s] for s in decode], [self.lens[s] for s in decode])
-        mapping = to_device(slot_mapping, self.device)
+        rows = self._decode_rows(decode) if decode else None
         return StepAttention(list(self.k), list(self.v), mapping, len(decode), rows, segments)
 
-    def _decode_rows(self, tables: list[list[int]], lens: list[int]) -> DecodeRows:
-        """The kernel reads through the tables themselves; the gather path wants the flat slot of
-        every (row, position) up to the longest row, padded with scratch."""
-        bs, nb = self.block_size, max(len(t) for t in tables)
-        pad = self.num_blocks  # the scratch block id
-        table = to_device([t + [pad] * (nb - len(t)) for t in tables], self.device)
-        lens_t = to_device(lens, self.device)
-        if self.attention == "kernel":
-            return DecodeRows(tables=table, lens=lens_t, block_size=bs)
+    def _padded_tables(self, seqs: list[int]) -> torch.Tensor:
+        nb = max(len(self.tables[s]) for s in seqs)
+        pad = self.num_blocks  # the scratch block id; padding is never read
+        return to_device([self.tables[s] + [pad] * (nb - len(self.tables[s])) for s in seqs], self.device)
+
+    def _kernel_rows(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> KernelRows:
+        """Decode rows see their whole sequence; prefill row at position p sees [0, p] (causal)."""
+        row_seq, row_len = list(range(len(decode))), [self.lens[s] for s in decode]
+        for i, (s, start, n) in enumerate(prefill, start=len(decode)):
+            row_seq += [i] * n
+            row_len += range(start + 1, start + n + 1)
+        tables = self._padded_tables(decode + [s for s, _, _ in prefill])
+        return KernelRows(tables, to_device(row_seq, self.device), to_device(row_len, self.device), self.block_size)
+
+    def _decode_rows(self, decode: list[int]) -> DecodeRows:
+        """The flat slot of every (row, position) up to the longest row, padded with scratch."""
+        bs, lens = self.block_size, [self.lens[s] for s in decode]
+        table, lens_t = self._padded_tables(decode), to_device(lens, self.device)
         pos = torch.arange(max(lens), device=self.device)
         idx = table[:, pos // bs] * bs + pos % bs
         valid = pos[None, :] < lens_t[:, None]

@@ -2,8 +2,9 @@
 
 Why native code: decode attention over a paged pool in PyTorch ops gathers every sequence's K/V
 into a padded copy per layer and runs SDPA on it; at batch 32 that is ~0.4 ms a layer, 12 ms a
-step. The kernel reads K/V where they live in the blocks, once per (sequence, kv head) for all
-query heads of the group, in float32 arithmetic. The three fused elementwise ops (residual add +
+step, and each prefill segment is one more SDPA call. The kernel serves every query row of a
+step (decode and prefill) in one call, reading K/V where they live in the blocks, once per
+(row, kv head) for all query heads of the group, in float32 arithmetic. The three fused elementwise ops (residual add +
 RMSNorm, SiLU * up, RoPE in place) replace 2-9 eager ops each, which a one-token step feels as
 dispatch overhead and a batched step as extra passes over memory.
 
@@ -78,7 +79,7 @@ def load() -> bool:
     if os.environ.get("TINYLLM_KERNELS", "1") == "0":
         _error = "disabled by TINYLLM_KERNELS=0"
         return False
-    if hasattr(torch.ops, "tinyllm") and hasattr(torch.ops.tinyllm, "paged_decode_attention"):
+    if hasattr(torch.ops, "tinyllm") and hasattr(torch.ops.tinyllm, "paged_attention"):
         return True
     key = build_key()
     directory = cache_root() / key
@@ -107,9 +108,10 @@ def load_error() -> str | None:
     return _error
 
 
-def paged_decode_attention(q, k_pool, v_pool, block_tables, lens, block_size: int, scale: float):
-    """See ``cpu_kernels.cpp``: q [B, H, D], pools [S, Hkv, D], tables [B, NB], lens [B]."""
-    return torch.ops.tinyllm.paged_decode_attention(q, k_pool, v_pool, block_tables, lens, block_size, scale)
+def paged_attention(q, k_pool, v_pool, block_tables, row_seq, row_len, block_size: int, scale: float):
+    """See ``cpu_kernels.cpp``: q [T, H, D], pools [P, Hkv, D], tables [S, NB]; query row t
+    attends to positions [0, row_len[t]) of sequence row_seq[t]."""
+    return torch.ops.tinyllm.paged_attention(q, k_pool, v_pool, block_tables, row_seq, row_len, block_size, scale)
 
 
 def add_rms_norm_(x, residual, weight, eps: float):

@@ -1,15 +1,18 @@
 // tinyllm's CPU kernels, registered as torch.ops.tinyllm.* (kernels/__init__.py builds this file).
 //
-// paged_decode_attention: one query token per sequence, K/V read where they live in the block
-// pool (no gather copy), grouped-query heads without repeating K/V.
-//   q            [B, H, D]      float32 / bfloat16 / float16; the last dim contiguous
-//   k_pool       [S, Hkv, D]    one layer's pool, contiguous; slot s holds one token's K
-//   v_pool       [S, Hkv, D]
-//   block_tables [B, NB] int64  physical block ids; row b is sequence b's table (padding ignored)
-//   lens         [B] int64      tokens stored for sequence b, this step's own token included
-//   returns      [B, H, D]      softmax(q . K^T * scale) V over positions [0, lens[b])
-// Position p of sequence b lives at slot block_tables[b][p / block_size] * block_size + p % block_size.
-// Work is split over (sequence, kv head) pairs: each pair reads its K/V rows once for all
+// paged_attention: every query row of a step (decode rows and prefill rows alike) attends to
+// its sequence's first row_len positions, read where they live in the block pool (no gather
+// copy, no padding), grouped-query heads without repeating K/V.
+//   q            [T, H, D]      float32 / bfloat16 / float16; the last dim contiguous
+//   k_pool       [P, Hkv, D]    one layer's pool, contiguous; slot p holds one token's K
+//   v_pool       [P, Hkv, D]
+//   block_tables [S, NB] int64  physical block ids, one row per sequence of the step (padding ignored)
+//   row_seq      [T] int64      the table row of each query row
+//   row_len      [T] int64      positions it attends to: [0, row_len) (a decode row: the whole
+//                               sequence; a prefill row at position p: p + 1, which is causal)
+//   returns      [T, H, D]      softmax(q . K^T * scale) V
+// Position p of sequence s lives at slot block_tables[s][p / block_size] * block_size + p % block_size.
+// Work is split over (row, kv head) pairs: each pair reads its K/V rows once for all
 // G = H / Hkv query heads that share them.
 //
 // Three fused elementwise ops the decoder layer runs around it: add_rms_norm_ (residual add +
@@ -111,7 +114,7 @@ void for_rows(int64_t rows, int64_t row_elems, const F& fn) {
   });
 }
 
-// ---- paged decode attention ----------------------------------------------------------------
+// ---- paged attention ----------------------------------------------------------------------
 
 // q . k over ``dim`` floats. With DIM known (a multiple of 16), 16 partial sums stay in one vector
 // register and are added as a tree at the end: gcc reduces an `omp simd` sum lane by lane, 15
@@ -138,7 +141,7 @@ inline float dot(const float* q, const typename S::T* k, int64_t dim) {
 // DIM > 0: the head size known at compile time (64 and 128 are), so the inner loops unroll into
 // whole vector registers; DIM == 0 reads it from ``dim_rt``.
 template <typename S, int64_t DIM>
-void decode_pair(const typename S::T* q, int64_t q_stride_h, const typename S::T* k_pool,
+void attend_pair(const typename S::T* q, int64_t q_stride_h, const typename S::T* k_pool,
                  const typename S::T* v_pool, const int64_t* table, int64_t len, int64_t block_size, int64_t hkv,
                  int64_t kv_head, int64_t groups, int64_t dim_rt, float scale, typename S::T* out,
                  std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
@@ -192,43 +195,49 @@ void decode_pair(const typename S::T* q, int64_t q_stride_h, const typename S::T
     for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = S::st(acc[g * dim + d] * inv_sum[g]);
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                  const at::Tensor& block_tables, const at::Tensor& lens, int64_t block_size,
-                                  double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q [B,H,D], pools [S,Hkv,D]");
-  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_decode_attention runs on the CPU");
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& row_len,
+                           int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q [T,H,D], pools [P,Hkv,D]");
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_attention runs on the CPU");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "K/V pools must be contiguous");
   TORCH_CHECK(q.stride(2) == 1, "q's last dim must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
               "q and the pools must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables and lens");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && row_seq.scalar_type() == at::kLong &&
+              row_len.scalar_type() == at::kLong, "int64 tables, row_seq and row_len");
   const auto tables = block_tables.contiguous();
-  const auto lens_c = lens.contiguous();
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), hkv = k_pool.size(1);
+  const auto seq_c = row_seq.contiguous(), len_c = row_len.contiguous();
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), hkv = k_pool.size(1);
   TORCH_CHECK(k_pool.size(2) == dim && heads % hkv == 0, "head_dim or head counts do not match");
-  TORCH_CHECK(tables.size(0) == batch && lens_c.size(0) == batch, "one table and one length per row of q");
-  const int64_t groups = heads / hkv, nb = tables.size(1), slots = k_pool.size(0);
-  const int64_t* lens_p = lens_c.data_ptr<int64_t>();
+  TORCH_CHECK(seq_c.numel() == rows && len_c.numel() == rows, "one row_seq and one row_len per row of q");
+  const int64_t groups = heads / hkv, nseq = tables.size(0), nb = tables.size(1), slots = k_pool.size(0);
+  const int64_t* seq_p = seq_c.data_ptr<int64_t>();
+  const int64_t* len_p = len_c.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lens_p[b] >= 1 && lens_p[b] <= nb * block_size, "a length is outside its block table");
-    for (int64_t j = 0; j < (lens_p[b] + block_size - 1) / block_size; ++j)
-      TORCH_CHECK(tp[b * nb + j] >= 0 && (tp[b * nb + j] + 1) * block_size <= slots, "a block id is outside the pool");
+  std::vector<int64_t> need(nseq, 0);  // blocks each sequence's longest row reads
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(seq_p[t] >= 0 && seq_p[t] < nseq, "a row's sequence is outside the block tables");
+    TORCH_CHECK(len_p[t] >= 1 && len_p[t] <= nb * block_size, "a row's length is outside its block table");
+    need[seq_p[t]] = std::max(need[seq_p[t]], (len_p[t] + block_size - 1) / block_size);
   }
-  auto out = at::empty({batch, heads, dim}, q.options());
-  dispatch(q.scalar_type(), "paged_decode_attention", [&]<typename S>() {
+  for (int64_t sq = 0; sq < nseq; ++sq)
+    for (int64_t j = 0; j < need[sq]; ++j)
+      TORCH_CHECK(tp[sq * nb + j] >= 0 && (tp[sq * nb + j] + 1) * block_size <= slots, "a block id is outside the pool");
+  auto out = at::empty({rows, heads, dim}, q.options());
+  dispatch(q.scalar_type(), "paged_attention", [&]<typename S>() {
     const auto* qp = ptr<S>(q);
     const auto* kp = ptr<S>(k_pool);
     const auto* vp = ptr<S>(v_pool);
     auto* op = ptr<S>(out);
     const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-    auto pair_fn = dim == 64 ? &decode_pair<S, 64> : dim == 128 ? &decode_pair<S, 128> : &decode_pair<S, 0>;
-    at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+    auto pair_fn = dim == 64 ? &attend_pair<S, 64> : dim == 128 ? &attend_pair<S, 128> : &attend_pair<S, 0>;
+    at::parallel_for(0, rows * hkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf, scores, acc;  // per thread, reused across pairs
       for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t b = pair / hkv, h = pair % hkv;
-        pair_fn(qp + b * qs0 + h * groups * qs1, qs1, kp, vp, tp + b * nb, lens_p[b], block_size, hkv, h, groups,
-                dim, static_cast<float>(scale), op + (b * heads + h * groups) * dim, qf, scores, acc);
+        const int64_t t = pair / hkv, h = pair % hkv;
+        pair_fn(qp + t * qs0 + h * groups * qs1, qs1, kp, vp, tp + seq_p[t] * nb, len_p[t], block_size, hkv, h,
+                groups, dim, static_cast<float>(scale), op + (t * heads + h * groups) * dim, qf, scores, acc);
       }
     });
   });
@@ -333,15 +342,15 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
 }  // namespace
 
 TORCH_LIBRARY(tinyllm, m) {
-  m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor lens, "
-        "int block_size, float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor row_seq, "
+        "Tensor row_len, int block_size, float scale) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin_signed) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_attention", &paged_attention);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
