@@ -19,12 +19,12 @@ from torch.profiler import ProfilerActivity, profile
 
 # First match wins; matched against the operator name, e.g. "mkldnn::_linear_pointwise".
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    ("weight matmuls", ("linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
-    ("attention kernels", ("scaled_dot_product", "flash_attention", "softmax")),
+    ("weight matmuls", ("linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "pack_mm")),
+    ("attention kernels", ("scaled_dot_product", "flash_attention", "softmax", "paged_attention")),
     ("KV cache write / gather", ("index_copy", "index_select", "index_put")),
     ("sampling", ("argmax", "topk", "sort", "multinomial", "cumsum", "exponential")),
 ]
-OTHER = "other tensor ops (norms, RoPE, SiLU, adds, copies)"
+OTHER = "other tensor ops (norms, RoPE, SiLU, adds, copies; tinyllm's fused kernels)"
 OUTSIDE = "outside any operator (Python: schedule, bookkeeping, dispatch)"
 
 

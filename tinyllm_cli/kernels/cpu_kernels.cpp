@@ -216,7 +216,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
   const int64_t* len_p = len_c.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   std::vector<int64_t> need(nseq, 0);  // blocks each sequence's longest row reads
+  int64_t positions = 0;               // the step's work: positions read, summed over rows
   for (int64_t t = 0; t < rows; ++t) {
+    positions += len_p[t];
     TORCH_CHECK(seq_p[t] >= 0 && seq_p[t] < nseq, "a row's sequence is outside the block tables");
     TORCH_CHECK(len_p[t] >= 1 && len_p[t] <= nb * block_size, "a row's length is outside its block table");
     need[seq_p[t]] = std::max(need[seq_p[t]], (len_p[t] + block_size - 1) / block_size);
@@ -232,7 +234,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
     auto* op = ptr<S>(out);
     const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
     auto pair_fn = dim == 64 ? &attend_pair<S, 64> : dim == 128 ? &attend_pair<S, 128> : &attend_pair<S, 0>;
-    at::parallel_for(0, rows * hkv, 1, [&](int64_t begin, int64_t end) {
+    // A small step (one sequence decoding: a few microseconds of work) runs on this thread;
+    // waking the pool for it cost more than the work.
+    const int64_t grain = positions * hkv < 8192 ? rows * hkv : 1;
+    at::parallel_for(0, rows * hkv, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> qf, scores, acc;  // per thread, reused across pairs
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t t = pair / hkv, h = pair % hkv;
