@@ -160,16 +160,35 @@ def test_rope_matches_apply_rope_on_a_strided_view(dtype):
     torch.testing.assert_close(qkv[:, heads * dim:], qkv[:, heads * dim:])  # untouched columns stay
 
 
+def set_dense_path(model, path: str) -> None:
+    """'fused': one kernel call per layer; 'ops': the fused elementwise kernels called from the
+    Python layer; 'torch': plain PyTorch ops."""
+    use_native_ops(model, path != "torch")
+    if path == "ops":
+        for layer in model.layers:
+            layer.fused_args = None
+
+
+@pytest.fixture(scope="module")
+def tiny_torch_gemm(llama_dir):
+    """The tiny model with plain F.linear weights (the fused layer's linear kind 0)."""
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    from tinyllm_cli.model.llama import build_model
+    ck = load_checkpoint(str(llama_dir), progress=False)
+    return build_model(ck.config, ck.weights, torch.float32, "cpu", gemm="torch")
+
+
 @pytest.mark.parametrize("attention", ["kernel", "gather"])
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("dense", ["fused", "ops", "torch"])
 @pytest.mark.parametrize("kind", ["paged", "slot"])
-def test_engine_paths_equal_no_cache_recompute(tiny_model, kind, attention, native):
+def test_engine_paths_equal_no_cache_recompute(tiny_model, kind, attention, dense):
     """Every combination of attention path and dense-op path, with preemption, prefix hits and
-    chunked prefill in the paged case, gives the tokens of a full recompute on the same ops."""
+    chunked prefill in the paged case, gives the tokens of a full recompute on the same ops.
+    (The fused layer needs the kernel's attention: with 'gather' it runs as 'ops'.)"""
     reqs = make_requests(n=6, seed=11)
     reqs += [make_requests(n=1, seed=11)[0]]  # a repeated prompt: a prefix-cache hit
     reqs[-1].id, reqs[-1].index = "dup", len(reqs) - 1
-    use_native_ops(tiny_model, native)
+    set_dense_path(tiny_model, dense)
     try:
         refs = [reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens) for r in reqs]
         if kind == "paged":
@@ -184,6 +203,27 @@ def test_engine_paths_equal_no_cache_recompute(tiny_model, kind, attention, nati
         assert [o.token_ids for o in outs] == refs
     finally:
         use_native_ops(tiny_model, kernels.load())
+
+
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_torch_gemm"])
+def test_fused_layer_equals_the_python_layer_exactly(model_name, request):
+    """The one-call layer runs the same ops in the same order as the Python layer on the native
+    path, for oneDNN-packed and plain weights: logits and log-probabilities are bitwise equal."""
+    model = request.getfixturevalue(model_name)
+    assert model.layers[0].fused_args is not None
+    kinds = {k for layer in model.layers for k in layer.fused_args[1]}
+    assert kinds == ({2} if model.gemm == "onednn" else {0})
+    reqs = make_requests(n=4, seed=5, logprobs=3)
+    assert all(r.params.logprobs == 3 for r in reqs)
+    results = {}
+    for dense in ("fused", "ops"):
+        set_dense_path(model, dense)
+        cache = PagedKVCache(model.cfg, 64, 4, torch.float32, "cpu", attention="kernel")
+        outs, _ = run(model, cache, reqs, max_prefill_tokens=16)
+        results[dense] = [(o.token_ids, o.logprobs) for o in outs]
+    use_native_ops(model, True)
+    assert all(lp for _, lp in results["fused"])  # log-probabilities were produced, so compared
+    assert results["fused"] == results["ops"]
 
 
 def test_kernel_attention_on_another_device_is_one_sentence():

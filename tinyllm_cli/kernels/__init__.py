@@ -124,6 +124,15 @@ def silu_mul(gate_up):
     return torch.ops.tinyllm.silu_mul(gate_up)
 
 
+def decoder_layer(x, r, weights, kinds, aux, biases, input_norm, post_norm, eps: float, cos, sin_signed,
+                  k_pool, v_pool, slot_mapping, block_tables, row_seq, row_len, block_size: int,
+                  n_heads: int, n_kv: int, head_dim: int):
+    """A whole decoder layer (model/llama.py's ``DecoderLayer.fused``); returns its MLP output."""
+    return torch.ops.tinyllm.decoder_layer(x, r, weights, kinds, aux, biases, input_norm, post_norm, eps, cos,
+                                           sin_signed, k_pool, v_pool, slot_mapping, block_tables, row_seq, row_len,
+                                           block_size, n_heads, n_kv, head_dim)
+
+
 def rope_(x, cos, sin_signed):
     """Rotate x [T, heads, D] in place (``model.llama.apply_rope``'s math)."""
     return torch.ops.tinyllm.rope_(x, cos, sin_signed)

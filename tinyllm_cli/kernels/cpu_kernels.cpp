@@ -16,7 +16,9 @@
 // G = H / Hkv query heads that share them.
 //
 // Three fused elementwise ops the decoder layer runs around it: add_rms_norm_ (residual add +
-// RMSNorm), silu_mul (SwiGLU's silu(gate) * up) and rope_ (rotary embedding in place).
+// RMSNorm), silu_mul (SwiGLU's silu(gate) * up) and rope_ (rotary embedding in place); and
+// decoder_layer, which runs a whole layer (those ops, the weight matmuls, the K/V write and
+// paged_attention) in one call from Python.
 //
 // Numerics, for every op: loads widen to float32, all arithmetic is float32, and each result is
 // rounded once to the tensor's dtype (bfloat16: round to nearest even, as PyTorch rounds).
@@ -24,6 +26,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -344,6 +347,54 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
   return x;
 }
 
+// ---- one decoder layer in one call ---------------------------------------------------------
+
+// A weight matmul as the Python model holds it (model/llama.py, fused_layer_args):
+// kind 0 = F.linear(x, w, bias); 1 = torch's CPU int4 matmul (w packed, aux its scales and
+// zeros, groups of 32); 2 = oneDNN with a pre-packed weight (model/gemm.py's PackedLinear).
+at::Tensor run_linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& aux,
+                      const std::optional<at::Tensor>& bias) {
+  if (kind == 0) return at::linear(x, w, bias);
+  if (kind == 1) {
+    auto y = at::_weight_int4pack_mm_for_cpu(x.contiguous(), w, 32, *aux);
+    return bias.has_value() ? y.add_(*bias) : y;
+  }
+  TORCH_CHECK(kind == 2, "unknown linear kind ", kind);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack{x, w, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                                 std::optional<std::string>(std::string())};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// The decoder layer of model/llama.py (DecoderLayer.forward on its native path), op for op,
+// without a return to Python between them: a one-token step runs ~25 small operators per layer,
+// and each costs a few microseconds of Python and dispatch when called from Python.
+// x [T, hidden] is the residual stream (updated in place: x += r, x += attention output);
+// returns the MLP output, which the next layer (or the final norm) adds to x.
+// Linears, in order: qkv, o_proj, gate_up, down.
+at::Tensor decoder_layer(at::Tensor& x, const std::optional<at::Tensor>& r, at::TensorList weights,
+                         at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& aux,
+                         const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& input_norm,
+                         const at::Tensor& post_norm, double eps, const at::Tensor& cos, const at::Tensor& sin_signed,
+                         at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& row_len,
+                         int64_t block_size, int64_t n_heads, int64_t n_kv, int64_t head_dim) {
+  TORCH_CHECK(weights.size() == 4 && kinds.size() == 4 && aux.size() == 4 && biases.size() == 4, "four linears");
+  const int64_t t = x.size(0), q_size = n_heads * head_dim, kv_size = n_kv * head_dim;
+  auto lin = [&](int64_t i, const at::Tensor& in) { return run_linear(kinds[i], in, weights[i], aux.get(i), biases.get(i)); };
+  auto qkv = lin(0, add_rms_norm_(x, r, input_norm, eps));
+  auto qk = qkv.narrow(1, 0, q_size + kv_size).view({t, n_heads + n_kv, head_dim});
+  rope_(qk, cos, sin_signed);
+  auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, n_kv, head_dim});
+  k_pool.index_copy_(0, slot_mapping, qk.narrow(1, n_heads, n_kv));
+  v_pool.index_copy_(0, slot_mapping, v);
+  auto o = paged_attention(qk.narrow(1, 0, n_heads), k_pool, v_pool, block_tables, row_seq, row_len, block_size,
+                           1.0 / std::sqrt(static_cast<double>(head_dim)));
+  auto h = add_rms_norm_(x, lin(1, o.view({t, q_size})), post_norm, eps);
+  return lin(3, silu_mul(lin(2, h)));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tinyllm, m) {
@@ -352,6 +403,10 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin_signed) -> Tensor(a!)");
+  m.def("decoder_layer(Tensor(a!) x, Tensor? r, Tensor[] weights, int[] kinds, Tensor?[] aux, Tensor?[] biases, "
+        "Tensor input_norm, Tensor post_norm, float eps, Tensor cos, Tensor sin_signed, Tensor(b!) k_pool, "
+        "Tensor(c!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor row_seq, Tensor row_len, "
+        "int block_size, int n_heads, int n_kv, int head_dim) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {
@@ -359,4 +414,9 @@ TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
+  m.impl("decoder_layer", &decoder_layer);
 }
+
+// oneDNN's packed weights are MkldnnCPU tensors, and the dispatcher routes a call by its
+// arguments' keys: the layer kernel takes them among its weights.
+TORCH_LIBRARY_IMPL(tinyllm, MkldnnCPU, m) { m.impl("decoder_layer", &decoder_layer); }

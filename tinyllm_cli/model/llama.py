@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels as native
-from .gemm import pack_linears, resolve_gemm
+from .gemm import PackedLinear, pack_linears, resolve_gemm
 from .quant import Int4Linear, Int8Embedding, Int8Rows, QuantWeight, Int8Head, is_quantized
 
 
@@ -158,6 +158,7 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.native = False  # fused CPU kernels (tinyllm_cli.kernels) for norm, RoPE, SwiGLU; see use_native_ops
+        self.fused_args: tuple | None = None  # the static arguments of the one-call layer kernel, when it applies
 
     def forward(self, x: Tensor, r: Tensor | None, cos: Tensor, sin: Tensor, attn: Attention) -> tuple[Tensor, Tensor]:
         """``x`` is the residual stream and ``r`` the previous layer's MLP output, not yet added
@@ -176,6 +177,15 @@ class DecoderLayer(nn.Module):
         o = attn.attend(self.index, q, k, v)
         h = add_norm(x, self.o_proj(o.reshape(t, self.q_size)), self.post_norm, self.native)
         return x, self.down(self.swiglu(self.gate_up(h)))
+
+    def fused(self, x: Tensor, r: Tensor | None, cos: Tensor, sin: Tensor, paged: tuple) -> tuple[Tensor, Tensor]:
+        """``forward`` in one kernel call (native path, paged-kernel attention): the same ops in
+        the same order, without returning to Python between them. ``paged``: the attention's
+        ``paged(layer)`` (pools, slot mapping, tables, row sequences and lengths, block size)."""
+        weights, kinds, aux, biases, w_in, w_post, eps = self.fused_args
+        r = native.decoder_layer(x, r, weights, kinds, aux, biases, w_in, w_post, eps, cos, sin, *paged,
+                                 self.n_heads, self.n_kv, self.head_dim)
+        return x, r
 
     def swiglu(self, gate_up: Tensor) -> Tensor:
         if self.native:
@@ -233,8 +243,11 @@ class LlamaModel(nn.Module):
         """Packed forward: returns float32 logits for the rows in ``logits_index`` (all if None)."""
         x, r = self.embed(input_ids), None
         cos, sin = self.rope(positions)
+        # Native path with the paged kernel: each layer is one kernel call (DecoderLayer.fused).
+        paged = getattr(attn, "paged", None) if self.native else None
         for layer in self.layers:
-            x, r = layer(x, r, cos, sin, attn)
+            args = paged(layer.index) if paged is not None and layer.fused_args is not None else None
+            x, r = layer(x, r, cos, sin, attn) if args is None else layer.fused(x, r, cos, sin, args)
         if logits_index is not None:
             x = x.index_select(0, logits_index)
             r = None if r is None else r.index_select(0, logits_index)
@@ -275,6 +288,31 @@ def use_native_ops(model: LlamaModel, on: bool) -> None:
     model.native = on
     for layer in model.layers:
         layer.native = on
+        layer.fused_args = fused_layer_args(layer) if on else None
+
+
+def fused_layer_args(layer: DecoderLayer) -> tuple | None:
+    """The one-call layer kernel's static arguments (weights and kinds of the four linears, the
+    norms), or None where it does not apply: Qwen3's per-head q/k norm, or a linear of a kind
+    it does not know."""
+    if layer.qk_norm is not None:
+        return None
+    specs = [_linear_spec(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+    if any(spec is None for spec in specs):
+        return None
+    weights, kinds, aux, biases = (list(col) for col in zip(*specs))
+    return weights, kinds, aux, biases, layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps
+
+
+def _linear_spec(m: nn.Module) -> tuple | None:
+    """(weight, kind, aux, bias) in the kernel's terms: 0 F.linear, 1 int4, 2 oneDNN packed."""
+    if isinstance(m, Int4Linear):
+        return m.packed, 1, m.scales_zeros, m.bias
+    if isinstance(m, PackedLinear):
+        return m.packed, 2, None, m.bias
+    if type(m) is nn.Linear:
+        return m.weight, 0, None, m.bias
+    return None
 
 
 def install_quantized(model: LlamaModel, quantized: dict, state: dict) -> None:
