@@ -251,6 +251,23 @@ def test_disabled_kernels_fall_back_or_refuse(tiny_model):
     assert "gather path" in p.stderr
 
 
+def test_a_failed_build_falls_back_with_the_compilers_reason(tmp_path):
+    """No working compiler (CXX points nowhere) and an empty kernel cache: generate still runs,
+    on the PyTorch path, and stderr says why in one line."""
+    code = ("import torch\n"
+            "from tinyllm_cli import kernels\n"
+            "from tinyllm_cli.cache.kv import PagedKVCache\n"
+            "from tinyllm_cli.model.llama import ModelConfig\n"
+            "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
+            "print(kernels.load(), PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n")
+    env = {**__import__("os").environ, "TINYLLM_KERNEL_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "gather"]
+    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "did not build" in notes[0] and "gather path" in notes[0]
+
+
 def test_bad_attention_value_is_a_usage_error(tmp_path):
     from tinyllm_cli.config import load_config
     from tinyllm_cli.errors import UsageError
@@ -258,3 +275,16 @@ def test_bad_attention_value_is_a_usage_error(tmp_path):
     f.write_text("cache:\n  attention: flash\n")
     with pytest.raises(UsageError, match=r"cache.attention \(line 2\) must be one of auto, kernel, gather"):
         load_config(f)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_linear_matches_torchs_int8_matmul(rows):
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (528, 576), generator=g, dtype=torch.int8)
+    scale = (torch.rand(528, generator=g) / 50).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    want = (x.float() @ (q.float() * scale.float()[:, None]).T)
+    got = kernels.int8_linear(x, q, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 528)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got, torch.ops.aten._weight_int8pack_mm(x, q, scale), atol=2e-2, rtol=1e-2)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _error: str | None = None
 
 
@@ -55,7 +56,8 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), sys.version.encode()):
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), sys.version.encode(),
+                 " ".join(CFLAGS).encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -83,18 +85,22 @@ def load() -> bool:
         return True
     key = build_key()
     directory = cache_root() / key
+    name = f"tinyllm_kernels_{key}"
+    library = directory / f"{name}.so"
     try:
+        # Built before for this source, torch, Python, flags and CPU (the key), and not being
+        # rebuilt by another process right now (torch's builder holds a lock file meanwhile).
+        if library.exists() and not (directory / "lock").exists():
+            torch.ops.load_library(str(library))
+            return True
         from torch.utils import cpp_extension
 
         directory.mkdir(parents=True, exist_ok=True)
-        name = f"tinyllm_kernels_{key}"
-        if not (directory / f"{name}.so").exists():
-            print("building tinyllm's CPU kernels (once per machine, about 20-40 s) ...", file=sys.stderr)
+        print("building tinyllm's CPU kernels (once per machine, about 10-40 s) ...", file=sys.stderr)
         _ensure_ninja()
         with contextlib.redirect_stdout(sys.stderr):  # the builder's notes must not reach stdout
-            cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                               is_python_module=False, verbose=False)
+            cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                               build_directory=str(directory), is_python_module=False, verbose=False)
     except Exception as e:  # a missing compiler, ninja or headers: the PyTorch path serves instead
         lines = str(e).strip().splitlines() or [type(e).__name__]
         first = next((ln for ln in lines if "error:" in ln), lines[0])  # the compiler's own words
@@ -131,6 +137,11 @@ def decoder_layer(x, r, weights, kinds, aux, biases, input_norm, post_norm, eps:
     return torch.ops.tinyllm.decoder_layer(x, r, weights, kinds, aux, biases, input_norm, post_norm, eps, cos,
                                            sin_signed, k_pool, v_pool, slot_mapping, block_tables, row_seq, row_len,
                                            block_size, n_heads, n_kv, head_dim)
+
+
+def int8_linear(x, q, scale):
+    """x [M, K] @ (q [N, K] int8 * scale [N])^T in x's dtype (torch's ``_weight_int8pack_mm``)."""
+    return torch.ops.tinyllm.int8_linear(x, q, scale)
 
 
 def rope_(x, cos, sin_signed):

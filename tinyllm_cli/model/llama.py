@@ -286,6 +286,9 @@ def use_native_ops(model: LlamaModel, on: bool) -> None:
     """Run RMSNorm (+ residual add), RoPE and SwiGLU through the fused CPU kernels, or (off, and
     on any other device) through the PyTorch ops above, which the tests use as the reference."""
     model.native = on
+    for m in model.modules():
+        if isinstance(m, Int8Embedding):
+            m.native = on
     for layer in model.layers:
         layer.native = on
         layer.fused_args = fused_layer_args(layer) if on else None

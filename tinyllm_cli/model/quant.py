@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .. import kernels as native
+
 GROUP = 32
 ACT_DTYPE = torch.bfloat16
 
@@ -174,11 +176,16 @@ class Int8Embedding(nn.Module):
         super().__init__()
         self.register_buffer("q", w.q)
         self.register_buffer("scale", w.scale.to(ACT_DTYPE))
+        self.native = False  # set by llama.use_native_ops: one row goes through tinyllm's kernel
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.q.index_select(0, ids).to(ACT_DTYPE).mul_(self.scale.index_select(0, ids)[:, None])
 
     def linear(self, x: Tensor) -> Tensor:
+        # One row (a single sequence decoding): tinyllm's kernel streams the matrix ~1.2x faster
+        # than torch's; from two rows on torch's kernel wins, as it reuses each weight row better.
+        if self.native and x.shape[0] == 1 and self.q.shape[1] % 16 == 0:
+            return native.int8_linear(x, self.q, self.scale)
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
 
 
