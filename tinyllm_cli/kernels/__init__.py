@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -98,15 +99,28 @@ def load() -> bool:
         directory.mkdir(parents=True, exist_ok=True)
         print("building tinyllm's CPU kernels (once per machine, about 10-40 s) ...", file=sys.stderr)
         _ensure_ninja()
-        with contextlib.redirect_stdout(sys.stderr):  # the builder's notes must not reach stdout
-            cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-                               build_directory=str(directory), is_python_module=False, verbose=False)
+        builder_log = logging.getLogger("torch.utils.cpp_extension")
+        level = builder_log.level
+        builder_log.setLevel(logging.ERROR)  # its compiler-ABI warning is not ours to show
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # the builder's notes must not reach stdout
+                cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                                   build_directory=str(directory), is_python_module=False, verbose=False)
+        finally:
+            builder_log.setLevel(level)
     except Exception as e:  # a missing compiler, ninja or headers: the PyTorch path serves instead
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        first = next((ln for ln in lines if "error:" in ln), lines[0])  # the compiler's own words
-        _error = f"{type(e).__name__}: {first.strip()}"[:300]
+        _error = _reason(e)
         return False
     return True
+
+
+def _reason(e: Exception) -> str:
+    """One line out of a failed build: the compiler's first error, or the shell's complaint
+    about a missing program, rather than the long command line ninja echoes first."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
+    pick = next((ln for ln in lines if "error:" in ln), None)
+    pick = pick or next((ln for ln in lines if "not found" in ln or "No such file" in ln), lines[0])
+    return f"{type(e).__name__}: {pick}"[:300]
 
 
 def load_error() -> str | None:
