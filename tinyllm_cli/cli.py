@@ -51,7 +51,7 @@ DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 o
 GemmOpt = Annotated[Optional[str], typer.Option(help="Weight matmuls: auto (oneDNN with packed weights on CPU), onednn or torch.")]
 QuantOpt = Annotated[Optional[str], typer.Option(help="Weights: none (dequantize) or gguf (keep a GGUF's 4-/8-bit blocks; CPU, bfloat16).")]
 CacheOpt = Annotated[Optional[str], typer.Option("--cache", help="KV cache kind: paged or slot.")]
-AttnOpt = Annotated[Optional[str], typer.Option("--attention", help="Decode attention: auto, kernel (reads K/V blocks in place; CPU) or gather (SDPA on a copy).")]
+AttnOpt = Annotated[Optional[str], typer.Option("--attention", help="Attention over the cache: auto, kernel (tinyllm's CPU kernel, reads K/V in the blocks) or gather (PyTorch SDPA on copied K/V).")]
 BlockOpt = Annotated[Optional[int], typer.Option(help="Tokens per KV block (paged cache).")]
 NumBlocksOpt = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (wins over --kv-memory).")]
 KvMemOpt = Annotated[Optional[str], typer.Option(help="KV pool size in bytes, e.g. 512MiB.")]

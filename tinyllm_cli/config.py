@@ -33,7 +33,7 @@ class CacheConfig:
     kv_memory: str = "512MiB"
     max_model_len: int = 2048
     prefix_caching: bool = True  # paged only: reuse K/V blocks of shared prompt prefixes
-    attention: str = "auto"  # decode rows: kernel (reads blocks in place, CPU), gather (SDPA on a copy), auto
+    attention: str = "auto"  # kernel (CPU: every row of a step reads K/V in the blocks), gather (SDPA on copies), auto
 
 
 @dataclass
