@@ -289,3 +289,49 @@ def test_int8_linear_matches_torchs_int8_matmul(rows):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 528)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(got, torch.ops.aten._weight_int8pack_mm(x, q, scale), atol=2e-2, rtol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(llama_dir):
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    from tinyllm_cli.model.llama import build_model
+    ck = load_checkpoint(str(llama_dir), progress=False)
+    return build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("kind", ["paged", "slot"])
+def test_bf16_engine_on_the_kernels_matches_a_pytorch_recompute(tiny_bf16, kind):
+    """bfloat16 on the kernel path, with preemption, prefix hits and chunked prefill (paged): every
+    sampled token's log-probability equals a no-cache recompute on the PyTorch ops, to bf16
+    tolerance, and each greedy pick is the recompute's best token up to that tolerance (exact
+    token equality would hinge on bf16 near-ties, which differ between summation orders)."""
+    from tinyllm_cli.cache.attention import NoCacheAttention
+    reqs = make_requests(n=5, seed=21, logprobs=True)
+    reqs += [make_requests(n=1, seed=21, logprobs=True)[0]]
+    reqs[-1].id, reqs[-1].index = "dup", len(reqs) - 1
+    assert tiny_bf16.native and tiny_bf16.layers[0].fused_args is not None
+    if kind == "paged":
+        cache = PagedKVCache(tiny_bf16.cfg, preempting_blocks(reqs), 4, torch.bfloat16, "cpu", prefix_caching=True)
+        outs, eng = run(tiny_bf16, cache, reqs, max_prefill_tokens=16)
+        assert eng.stats.preemptions > 0 and cache.prefix_hits > 0
+    else:
+        cache = SlotKVCache(tiny_bf16.cfg, 3, 128, torch.bfloat16, "cpu")
+        outs, _ = run(tiny_bf16, cache, reqs)
+    assert cache.attention == "kernel"
+    use_native_ops(tiny_bf16, False)
+    worst: list[float] = []
+    try:
+        for r, o in zip(reqs, outs):
+            seq = r.prompt_token_ids + o.token_ids
+            with torch.inference_mode():
+                logits = tiny_bf16(torch.tensor(seq), torch.arange(len(seq)), NoCacheAttention([len(seq)]))
+            ref = torch.log_softmax(logits.float(), -1)
+            n = len(r.prompt_token_ids)
+            for i, (tok, entry) in enumerate(zip(o.token_ids, o.logprobs)):
+                row = ref[n - 1 + i]
+                worst.append(abs(entry["logprob"] - row[tok].item()))
+                assert worst[-1] < 0.08
+                assert row[tok].item() >= row.max().item() - 0.08
+        assert len(worst) == sum(len(o.token_ids) for o in outs) > 50
+    finally:
+        use_native_ops(tiny_bf16, True)
