@@ -119,7 +119,7 @@ class PagedKVCache:
             raise CacheError("block_size and num_blocks must be positive")
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         self.device, self.dtype = torch.device(device), dtype
-        try:  # 'kernel' or 'gather': how decode rows read K/V (cache/attention.py)
+        try:  # 'kernel' or 'gather': how a step's attention reads K/V (cache/attention.py)
             self.attention = resolve_attention(attention, self.device)
         except ValueError as e:
             raise CacheError(str(e))

@@ -70,6 +70,11 @@ struct F16 {
   static c10::Half st(float f) { return static_cast<c10::Half>(f); }
 };
 
+struct I8 {  // int8 weights (int8_linear); loads only
+  using T = int8_t;
+  static float ld(int8_t v) { return static_cast<float>(v); }
+};
+
 template <typename S>
 typename S::T* ptr(const at::Tensor& t) {
   return reinterpret_cast<typename S::T*>(t.data_ptr());
@@ -120,20 +125,26 @@ void for_rows(int64_t rows, int64_t row_elems, const F& fn) {
 
 // ---- paged attention ----------------------------------------------------------------------
 
-// q . k over ``dim`` floats. With DIM known (a multiple of 16), 16 partial sums stay in one vector
-// register and are added as a tree at the end: gcc reduces an `omp simd` sum lane by lane, 15
-// dependent scalar adds per dot product, which made that the kernel's bottleneck.
+// q . k over n floats, n a multiple of 16: 16 partial sums stay in one vector register and are
+// added as a tree at the end. gcc reduces an `omp simd` sum lane by lane, 15 dependent scalar
+// adds per dot product, which made that paged attention's bottleneck.
+template <typename S>
+inline float dot16(const float* q, const typename S::T* k, int64_t n) {
+  float part[16] = {};
+  for (int64_t d0 = 0; d0 < n; d0 += 16)
+#pragma omp simd
+    for (int64_t l = 0; l < 16; ++l) part[l] += q[d0 + l] * S::ld(k[d0 + l]);
+  for (int64_t w = 8; w > 0; w /= 2)
+#pragma omp simd
+    for (int64_t l = 0; l < w; ++l) part[l] += part[l + w];
+  return part[0];
+}
+
+// q . k over a head. With DIM known (a multiple of 16) the loops unroll into whole registers.
 template <typename S, int64_t DIM>
 inline float dot(const float* q, const typename S::T* k, int64_t dim) {
   if constexpr (DIM > 0 && DIM % 16 == 0) {
-    float part[16] = {};
-    for (int64_t d0 = 0; d0 < DIM; d0 += 16)
-#pragma omp simd
-      for (int64_t l = 0; l < 16; ++l) part[l] += q[d0 + l] * S::ld(k[d0 + l]);
-    for (int64_t w = 8; w > 0; w /= 2)
-#pragma omp simd
-      for (int64_t l = 0; l < w; ++l) part[l] += part[l + w];
-    return part[0];
+    return dot16<S>(q, k, DIM);
   } else {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -144,17 +155,26 @@ inline float dot(const float* q, const typename S::T* k, int64_t dim) {
 
 // DIM > 0: the head size known at compile time (64 and 128 are), so the inner loops unroll into
 // whole vector registers; DIM == 0 reads it from ``dim_rt``.
+// One thread's buffers, reused across the (row, kv head) pairs it serves.
+struct Scratch {
+  std::vector<float> qf, scores, acc, inv_sum;
+};
+
 template <typename S, int64_t DIM>
 void attend_pair(const typename S::T* q, int64_t q_stride_h, const typename S::T* k_pool,
                  const typename S::T* v_pool, const int64_t* table, int64_t len, int64_t block_size, int64_t hkv,
-                 int64_t kv_head, int64_t groups, int64_t dim_rt, float scale, typename S::T* out,
-                 std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
+                 int64_t kv_head, int64_t groups, int64_t dim_rt, float scale, typename S::T* out, Scratch& buf) {
   using T = typename S::T;
   const int64_t dim = DIM > 0 ? DIM : dim_rt;
   const int64_t row_stride = hkv * dim;  // elements between two consecutive slots of the pool
+  auto& qf = buf.qf;
+  auto& scores = buf.scores;
+  auto& acc = buf.acc;
+  auto& inv_sum = buf.inv_sum;
   qf.resize(groups * dim);
   scores.resize(groups * len);
   acc.assign(groups * dim, 0.0f);
+  inv_sum.resize(groups);
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = S::ld(q[g * q_stride_h + d]) * scale;
 
@@ -169,7 +189,6 @@ void attend_pair(const typename S::T* q, int64_t q_stride_h, const typename S::T
     }
   }
   // Softmax per query head.
-  std::vector<float> inv_sum(groups);
   for (int64_t g = 0; g < groups; ++g) {
     float* sg = scores.data() + g * len;
     float m = -std::numeric_limits<float>::infinity();
@@ -242,11 +261,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
     // waking the pool for it cost more than the work.
     const int64_t grain = positions * hkv < 8192 ? rows * hkv : 1;
     at::parallel_for(0, rows * hkv, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf, scores, acc;  // per thread, reused across pairs
+      Scratch buf;
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t t = pair / hkv, h = pair % hkv;
         pair_fn(qp + t * qs0 + h * groups * qs1, qs1, kp, vp, tp + seq_p[t] * nb, len_p[t], block_size, hkv, h,
-                groups, dim, static_cast<float>(scale), op + (t * heads + h * groups) * dim, qf, scores, acc);
+                groups, dim, static_cast<float>(scale), op + (t * heads + h * groups) * dim, buf);
       }
     });
   });
@@ -355,8 +374,8 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
 // ---- int8 weight-only matmul for a few rows --------------------------------------------------
 
 // One output row block: y[m][n] = scale[n] * sum_k x[m][k] * q[n][k], for n in [n0, n1).
-// Each weight row (K int8) is read once for all M activation rows, which are float32 already;
-// 16 partial sums per dot product, added as a tree (see ``dot``).
+// Each weight row (K int8, K a multiple of 16) is read once for all M activation rows, which are
+// float32 already.
 template <typename S>
 [[gnu::noinline]] void int8_rows(const float* xf, int64_t rows, int64_t k, const int8_t* q, const typename S::T* scale,
                typename S::T* y, int64_t n_out, int64_t n0, int64_t n1) {
@@ -364,15 +383,7 @@ template <typename S>
     const int8_t* w = q + n * k;
     const float sc = S::ld(scale[n]);
     for (int64_t m = 0; m < rows; ++m) {
-      const float* xm = xf + m * k;
-      float part[16] = {};
-      for (int64_t k0 = 0; k0 < k; k0 += 16)
-#pragma omp simd
-        for (int64_t l = 0; l < 16; ++l) part[l] += xm[k0 + l] * static_cast<float>(w[k0 + l]);
-      for (int64_t width = 8; width > 0; width /= 2)
-#pragma omp simd
-        for (int64_t l = 0; l < width; ++l) part[l] += part[l + width];
-      y[m * n_out + n] = S::st(part[0] * sc);
+      y[m * n_out + n] = S::st(dot16<I8>(xf + m * k, w, k) * sc);
     }
   }
 }
