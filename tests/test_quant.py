@@ -20,7 +20,9 @@ from tinyllm_cli.engine.request import Request, SamplingParams
 from tinyllm_cli.model.checkpoint import load_checkpoint
 from tinyllm_cli.model.gguf_file import GGUFFile
 from tinyllm_cli.model.llama import build_model
-from tinyllm_cli.model.quant import Int4Linear, Int8Embedding, Int8Rows, QuantWeight, from_gguf
+from tinyllm_cli import kernels
+from tinyllm_cli.model import quant
+from tinyllm_cli.model.quant import Int4Linear, Int8Embedding, Int8Rows, Q4Linear, QuantWeight, from_gguf
 from tinyllm_cli.runtime import Runtime, make_engine
 
 gguf = pytest.importorskip("gguf")
@@ -79,6 +81,41 @@ def test_int4_linear_equals_f_linear_on_the_dequantized_weight(bias):
         assert rel < 1e-2, f"{m} rows: relative error {rel:.3g}"  # bfloat16 weights/activations: ~3e-3
 
 
+needs_kernels = pytest.mark.skipif(not kernels.load(), reason="tinyllm's CPU kernels did not build here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("bias", [False, True])
+def test_q4_linear_equals_f_linear_on_the_dequantized_weight(qtype, bias):
+    """tinyllm's 4-bit layout, on its vector path (where this CPU has one) and its plain loops,
+    over row counts that leave every tile remainder (1-4 rows, 2- and 4-block tiles)."""
+    rows, cols = 80 if qtype != QT.Q4_K else 48, 512 if qtype == QT.Q4_K else 96
+    q = from_gguf(_raw(qtype, rows, cols, seed=3), qtype.name, rows, cols)
+    b = torch.randn(rows).bfloat16() if bias else None
+    lin = Q4Linear(q, b)
+    for m in (1, 2, 3, 4, 5, 8, 17, 40):
+        x = torch.randn(m, cols).bfloat16()
+        ref = F.linear(x.double(), q.dequantize().double(), None if b is None else b.double())
+        for got in (lin(x), torch.ops.tinyllm.q4_linear_portable(x, lin.packed, lin.bias)):
+            assert got.dtype == torch.bfloat16 and got.shape == (m, rows)
+            err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+            # Q4_0 / Q4_1: the weights are exact, so only bf16 output rounding (2^-9) and float32
+            # sums remain; Q4_K's products of scales round to float16 (2^-11) on top.
+            assert err < 5e-3, f"{qtype.name}, {m} rows: max error {err:.3g} of the largest output"
+
+
+@needs_kernels
+def test_q4_pack_refuses_shapes_it_cannot_hold():
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.tinyllm.q4_pack(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
+    lin = Q4Linear(from_gguf(_raw(QT.Q4_1, 16, 64), "Q4_1", 16, 64), None)
+    with pytest.raises(RuntimeError, match="inputs"):
+        lin(torch.randn(1, 96).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        lin(torch.randn(1, 64))
+
+
 def test_int8_embedding_lookup_and_head_share_one_matrix():
     rows, cols = 64, 128
     w = from_gguf(_raw(QT.Q8_0, rows, cols, seed=2), "Q8_0", rows, cols)
@@ -121,12 +158,18 @@ def _logits(model, prompts):
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(10, 40)), [300, 2, 8]]
 
 
-def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_gguf):
+@pytest.mark.parametrize("kernel", ["tinyllm", "torch"])
+def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_gguf, kernel, monkeypatch):
+    if kernel == "tinyllm" and not quant.q4_usable(torch.device("cpu")):
+        pytest.skip("tinyllm's 4-bit kernel needs the built kernels and AVX512-BF16")
+    if kernel == "torch":  # what a CPU without AVX512-BF16 (or without a compiler) runs
+        monkeypatch.setattr(quant, "q4_usable", lambda device: False)
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
     assert model.quant == "gguf"
     layer = model.layers[0]
-    assert all(isinstance(m, Int4Linear) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    kind = Q4Linear if kernel == "tinyllm" else Int4Linear
+    assert all(isinstance(m, kind) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
     assert isinstance(model.embed, Int8Embedding)
     biggest_float = max(p.numel() for p in model.parameters())
     assert biggest_float <= LLAMA_SHAPE["hidden_size"]  # only norm vectors stay as float parameters

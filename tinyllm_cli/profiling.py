@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("weight matmuls", ("linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "pack_mm")),
     ("attention kernels", ("scaled_dot_product", "flash_attention", "softmax", "paged_attention")),
-    ("KV cache write / gather", ("index_copy", "index_select", "index_put")),
+    ("KV cache write / gather", ("index_copy", "index_select", "index_put", "write_kv")),
     ("sampling", ("argmax", "topk", "sort", "multinomial", "cumsum", "exponential")),
 ]
 OTHER = "other tensor ops (norms, RoPE, SiLU, adds, copies; tinyllm's fused kernels)"

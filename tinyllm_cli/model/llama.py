@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from .. import kernels as native
 from .gemm import PackedLinear, pack_linears, resolve_gemm
-from .quant import Int4Linear, Int8Embedding, Int8Rows, QuantWeight, Int8Head, is_quantized
+from .quant import Int4Linear, Int8Embedding, Int8Head, Int8Rows, Q4Linear, QuantWeight, int4_linear, is_quantized
 
 
 @dataclass
@@ -270,7 +270,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
     missing = [n for n, p in model.named_parameters() if p.is_meta and n not in quantized]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:4])}")
-    install_quantized(model, quantized, state)
+    install_quantized(model, quantized, state, device)
     model = model.to(device=device, dtype=dtype)
     model.inv_freq = model.inv_freq.float()
     model = model.eval().requires_grad_(False)
@@ -308,9 +308,12 @@ def fused_layer_args(layer: DecoderLayer) -> tuple | None:
 
 
 def _linear_spec(m: nn.Module) -> tuple | None:
-    """(weight, kind, aux, bias) in the kernel's terms: 0 F.linear, 1 int4, 2 oneDNN packed."""
+    """(weight, kind, aux, bias) in the kernel's terms: 0 F.linear, 1 torch int4, 2 oneDNN packed,
+    3 tinyllm's 4-bit layout."""
     if isinstance(m, Int4Linear):
         return m.packed, 1, m.scales_zeros, m.bias
+    if isinstance(m, Q4Linear):
+        return m.packed, 3, None, m.bias
     if isinstance(m, PackedLinear):
         return m.packed, 2, None, m.bias
     if type(m) is nn.Linear:
@@ -318,7 +321,7 @@ def _linear_spec(m: nn.Module) -> tuple | None:
     return None
 
 
-def install_quantized(model: LlamaModel, quantized: dict, state: dict) -> None:
+def install_quantized(model: LlamaModel, quantized: dict, state: dict, device: torch.device | str) -> None:
     """Swap in quantized modules (``quant.py``) for the weights that arrived quantized. They hold
     packed integer buffers that a later ``.to(dtype)`` leaves alone; biases come from ``state``."""
     for name, w in quantized.items():
@@ -336,7 +339,7 @@ def install_quantized(model: LlamaModel, quantized: dict, state: dict) -> None:
         elif isinstance(w, Int8Rows):
             setattr(parent, leaf, Int8Head(Int8Embedding(w)))
         else:
-            setattr(parent, leaf, Int4Linear(w, state.get(name.removesuffix("weight") + "bias")))
+            setattr(parent, leaf, int4_linear(w, state.get(name.removesuffix("weight") + "bias"), device))
 
 
 def fuse_weights(cfg: ModelConfig, w: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -1,27 +1,31 @@
-"""Weights kept quantized (``quant: gguf``): GGUF 4-bit blocks run through torch's int4 matmul.
+"""Weights kept quantized (``quant: gguf``): GGUF 4-bit blocks run through a 4-bit matmul.
 
 Why: one decode step of one sequence streams every weight once. Dequantized to float32 the
 default model is 540 MB a token, in bfloat16 270 MB; kept in its file's 4-bit blocks it is about
-80 MB, and a single stream runs as fast as memory delivers those bytes (llama.cpp's approach).
+94 MB, and a single stream runs as fast as memory delivers those bytes (llama.cpp's approach).
 
 What each form computes (the same math as the dequantized weights, up to stated rounding):
 - Q4_0 / Q4_1 / Q4_K blocks share a scale ``d`` (and a minimum ``m``) per group of 32 weights
-  along K: ``w = d*q + m`` with q in 0..15 (Q4_0: ``w = d*(q - 8)``; Q4_K's 6-bit sub-block
-  scales multiply out to the same per-32 form). torch's CPU int4 matmul computes
-  ``w = (q - 8)*s + z`` per group of 32, so ``s = d`` and ``z = m + 8d`` hold the same weights.
-  The one rounding: ``s`` and ``z`` are stored in bfloat16 (the kernel's dtype), the file has
-  float16 / float32.
+  along K: ``w = d*q + m`` with q in 0..15 (Q4_0: ``m = -8d``; Q4_K's 6-bit sub-block scales
+  multiply out to the same per-32 form). ``QuantWeight`` holds exactly that, in float32.
+- Two 4-bit matmuls hold it, and a model uses one of them (one copy of each weight):
+  ``Q4Linear`` (tinyllm's kernel, ``kernels/cpu_kernels.cpp``: ``scale`` and ``min`` in float16,
+  exact for Q4_0 / Q4_1; bfloat16 dot products summed in float32), where the kernels are built
+  and the CPU has AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake / Sapphire Rapids and
+  later); otherwise ``Int4Linear`` (torch's CPU int4 matmul, ``w = (q - 8)*s + z`` with
+  ``s = d``, ``z = m + 8d`` stored in bfloat16, its one extra rounding).
 - Q8_0 (the default model's tied embedding / output matrix) has one scale per 32 int8 values;
   torch's int8 matmul takes one scale per row, so those rows are requantized to int8 with a
   per-row scale (round to nearest): the largest change to a weight is half a step of its row.
   The same int8 rows serve the embedding lookup and the output projection: one copy.
-- The activation dtype is bfloat16 (the CPU int4 kernel's fast path); everything that is not a
+- The activation dtype is bfloat16 (both 4-bit kernels' inputs); everything that is not a
   quantized matmul (norms, attention, K/V) runs as in the dequantized model.
 
 Invariants: a ``QuantWeight`` is the only copy of its weight once the model is built (no float
-copy is kept); ``Int4Linear(x)`` equals ``F.linear(x, dequantize())`` up to bfloat16 rounding
-(tests compare them); the int4 kernel wants ``K`` a multiple of 32 and ``N`` a multiple of 16
-(checked when a tensor is read, so an odd shape stays dequantized instead of failing).
+copy is kept); ``Q4Linear(x)`` and ``Int4Linear(x)`` equal ``F.linear(x, dequantize())`` up to
+bfloat16 rounding (tests compare them); 4-bit forms want ``K`` a multiple of 32 and ``N`` a
+multiple of 16 (checked when a tensor is read, so an odd shape stays dequantized instead of
+failing).
 """
 
 from __future__ import annotations
@@ -40,11 +44,11 @@ ACT_DTYPE = torch.bfloat16
 
 @dataclass
 class QuantWeight:
-    """A [N, K] weight as 4-bit codes in groups of 32 along K: ``w = (q - 8) * scale + zero``."""
+    """A [N, K] weight as 4-bit codes in groups of 32 along K: ``w = scale * q + min``."""
 
     codes: Tensor  # uint8 [N, K], values 0..15
     scale: Tensor  # float32 [N, K // 32]
-    zero: Tensor  # float32 [N, K // 32]
+    min: Tensor  # float32 [N, K // 32]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -52,18 +56,18 @@ class QuantWeight:
 
     def dequantize(self) -> Tensor:
         n, k = self.codes.shape
-        q = self.codes.view(n, k // GROUP, GROUP).float() - 8
-        return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
+        q = self.codes.view(n, k // GROUP, GROUP).float()
+        return (q * self.scale[..., None] + self.min[..., None]).view(n, k)
 
     def rows(self, fn) -> "QuantWeight":
         """The same weight with ``fn`` applied to its row axis (e.g. llama.cpp's Q/K permutation)."""
-        return QuantWeight(fn(self.codes), fn(self.scale), fn(self.zero))
+        return QuantWeight(fn(self.codes), fn(self.scale), fn(self.min))
 
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
         """Stack along N (rows), as fusing q/k/v or gate/up does."""
         return QuantWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                           torch.cat([p.zero for p in parts]))
+                           torch.cat([p.min for p in parts]))
 
 
 @dataclass
@@ -121,8 +125,8 @@ def from_gguf(raw: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | Int8R
         b = raw.reshape(n, k // 32, width)
         d = _f16(b, 0)
         codes = _nibbles(b[..., width - 16:])
-        zero = np.zeros_like(d) if kind == "Q4_0" else _f16(b, 2) + 8 * d
-        return _qw(codes, d, zero, n, k)
+        low = -8 * d if kind == "Q4_0" else _f16(b, 2)
+        return _qw(codes, d, low, n, k)
     if kind == "Q4_K":
         if k % 256:
             return None
@@ -132,15 +136,15 @@ def from_gguf(raw: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | Int8R
         qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 64 weights: 32 low, 32 high nibbles
         codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 32, 32)
         scale = (d[..., None] * sc).reshape(n, k // 32)
-        zero = (-dmin[..., None] * mn).reshape(n, k // 32) + 8 * scale
-        return _qw(codes, scale, zero, n, k)
+        low = (-dmin[..., None] * mn).reshape(n, k // 32)
+        return _qw(codes, scale, low, n, k)
     return None
 
 
-def _qw(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, n: int, k: int) -> QuantWeight:
+def _qw(codes: np.ndarray, scale: np.ndarray, low: np.ndarray, n: int, k: int) -> QuantWeight:
     return QuantWeight(torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k))),
                        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32)),
-                       torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32)))
+                       torch.from_numpy(np.ascontiguousarray(low, dtype=np.float32)))
 
 
 # ---- modules -----------------------------------------------------------------------------------
@@ -157,7 +161,8 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 1)
         self.register_buffer("packed", packed)
-        sz = torch.stack([w.scale, w.zero], dim=-1).transpose(0, 1).contiguous().to(ACT_DTYPE)
+        zero = w.min + 8 * w.scale  # torch's kernel computes (q - 8) * s + z
+        sz = torch.stack([w.scale, zero], dim=-1).transpose(0, 1).contiguous().to(ACT_DTYPE)
         self.register_buffer("scales_zeros", sz)  # [K / 32, N, 2]
         self.bias = None if bias is None else bias.to(ACT_DTYPE)
 
@@ -167,6 +172,32 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
+
+
+def q4_usable(device: torch.device) -> bool:
+    """tinyllm's 4-bit kernel: built, on a CPU with AVX512-BF16 (else torch's int4 matmul serves)."""
+    return torch.device(device).type == "cpu" and native.load() and torch.ops.tinyllm.q4_fast()
+
+
+class Q4Linear(nn.Module):
+    """``F.linear`` with a 4-bit weight in tinyllm's layout (``q4_pack``, packed once at load)."""
+
+    def __init__(self, w: QuantWeight, bias: Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = w.shape
+        self.register_buffer("packed", torch.ops.tinyllm.q4_pack(w.codes, w.scale, w.min))
+        self.bias = None if bias is None else bias.to(ACT_DTYPE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.tinyllm.q4_linear(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit groups of {GROUP}"
+
+
+def int4_linear(w: QuantWeight, bias: Tensor | None, device: torch.device | str) -> nn.Module:
+    """The 4-bit module for this machine: tinyllm's kernel where it runs fast, else torch's."""
+    return Q4Linear(w, bias) if q4_usable(device) else Int4Linear(w, bias)
 
 
 class Int8Embedding(nn.Module):
