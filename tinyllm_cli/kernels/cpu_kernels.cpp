@@ -310,6 +310,31 @@ void attend_pair_vec_adapter(const typename S::T* q, int64_t q_stride_h, const t
 }
 #endif
 
+// Where each thread's share of the (row, kv head) pairs starts: contiguous ranges of about equal
+// work (positions read, plus a fixed cost per pair), since a prompt's causal rows grow longer
+// down the prompt and an even split by count left one thread with ~3/4 of the work. A small
+// step (a few microseconds: one sequence decoding) stays whole, on the calling thread: waking
+// the pool would cost more than the work.
+std::vector<int64_t> balanced_split(const int64_t* row_len, int64_t rows, int64_t hkv, int64_t units) {
+  const int64_t threads = units < 2048 ? 1 : std::min<int64_t>(at::get_num_threads(), rows * hkv);
+  std::vector<int64_t> bounds{0};
+  if (threads > 1) {
+    constexpr int64_t kPairCost = 16;  // the set-up of a pair, in positions
+    int64_t total = 0;
+    for (int64_t t = 0; t < rows; ++t) total += (row_len[t] + kPairCost) * hkv;
+    int64_t done = 0;
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t h = 0; h < hkv; ++h) {
+        done += row_len[t] + kPairCost;
+        const int64_t part = static_cast<int64_t>(bounds.size());
+        if (part < threads && done * threads >= total * part) bounds.push_back(t * hkv + h + 1);
+      }
+    }
+  }
+  bounds.push_back(rows * hkv);
+  return bounds;
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                            const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& row_len,
                            int64_t block_size, double scale) {
@@ -355,12 +380,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
       if (dim == 128) pair_fn = &attend_pair_vec_adapter<S, 128>;
     }
 #endif
-    // A small step (one sequence decoding: a few microseconds of work) runs on this thread;
-    // waking the pool for it cost more than the work.
-    const int64_t grain = positions * hkv < 8192 ? rows * hkv : 1;
-    at::parallel_for(0, rows * hkv, grain, [&](int64_t begin, int64_t end) {
+    const auto bounds = balanced_split(len_p, rows, hkv, positions * heads);
+    at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part0, int64_t part1) {
       Scratch buf;
-      for (int64_t pair = begin; pair < end; ++pair) {
+      for (int64_t pair = bounds[part0]; pair < bounds[part1]; ++pair) {
         const int64_t t = pair / hkv, h = pair % hkv;
         pair_fn(qp + t * qs0 + h * groups * qs1, qs1, kp, vp, tp + seq_p[t] * nb, len_p[t], block_size, hkv, h,
                 groups, dim, static_cast<float>(scale), op + (t * heads + h * groups) * dim, buf);
