@@ -278,17 +278,22 @@ def test_bad_attention_value_is_a_usage_error(tmp_path):
         load_config(f)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9])
 def test_int8_linear_matches_torchs_int8_matmul(rows):
+    """Every row tile (4, 2, 1 activation rows; 8-row weight blocks and a 4-row tail: N = 532)."""
     g = torch.Generator().manual_seed(rows)
-    q = torch.randint(-127, 128, (528, 576), generator=g, dtype=torch.int8)
-    scale = (torch.rand(528, generator=g) / 50).to(torch.bfloat16)
+    q = torch.randint(-127, 128, (532, 576), generator=g, dtype=torch.int8)
+    scale = (torch.rand(532, generator=g) / 50).to(torch.bfloat16)
     x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
-    want = (x.float() @ (q.float() * scale.float()[:, None]).T)
+    want = x.double() @ (q.double() * scale.double()[:, None]).T
     got = kernels.int8_linear(x, q, scale)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 528)
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 532)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(got, torch.ops.aten._weight_int8pack_mm(x, q, scale), atol=2e-2, rtol=1e-2)
+    # float32 logits: the same sums, not rounded to bfloat16 (float32 summation error only)
+    logits = kernels.int8_linear(x, q, scale, float32_out=True)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), want, atol=1e-5 * want.abs().max().item(), rtol=0)
 
 
 @pytest.fixture(scope="module")

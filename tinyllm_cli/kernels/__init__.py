@@ -153,9 +153,10 @@ def decoder_layer(x, r, weights, kinds, aux, biases, input_norm, post_norm, eps:
                                            block_size, n_heads, n_kv, head_dim)
 
 
-def int8_linear(x, q, scale):
-    """x [M, K] @ (q [N, K] int8 * scale [N])^T in x's dtype (torch's ``_weight_int8pack_mm``)."""
-    return torch.ops.tinyllm.int8_linear(x, q, scale)
+def int8_linear(x, q, scale, float32_out: bool = False):
+    """x [M, K] @ (q [N, K] int8 * scale [N])^T in x's dtype (torch's ``_weight_int8pack_mm``), or
+    in float32 (logits)."""
+    return torch.ops.tinyllm.int8_linear(x, q, scale, float32_out)
 
 
 def rope_(x, cos, sin_signed):

@@ -494,14 +494,36 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
 
 // ---- int8 weight-only matmul for a few rows --------------------------------------------------
 
-// One output row block: y[m][n] = scale[n] * sum_k x[m][k] * q[n][k], for n in [n0, n1).
-// Each weight row (K int8, K a multiple of 16) is read once for all M activation rows, which are
-// float32 already. Rows go 8 at a time (8 independent sums), and the 8 rows two steps ahead are
-// prefetched: the matrix streams from memory once per token, and with the hardware prefetcher
-// alone the loop waited on it (28 MB: 2.1 -> 1.5 ms on 2 cores).
-template <typename S>
-[[gnu::noinline]] void int8_rows(const float* xf, int64_t rows, int64_t k, const int8_t* q, const typename S::T* scale,
-               typename S::T* y, int64_t n_out, int64_t n0, int64_t n1) {
+// y[m][n] = scale[n] * sum_k x[m][k] * q[n][k] for n in [n0, n1), every row m; x is float32.
+// O is the output's storage (the input dtype's, or F32 for float32 logits).
+#if defined(__AVX512F__)
+// R weight rows x MT activation rows: each weight vector is widened to float32 once for MT rows.
+template <typename O, int R, int MT>
+inline void int8_tile(const float* x, int64_t k, const int8_t* q, const float* scale, typename O::T* y, int64_t n_out) {
+  __m512 acc[MT][R];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 16) {
+    __m512 w[R];
+    for (int r = 0; r < R; ++r)
+      w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * k + c))));
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * k + c);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(w[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < R; ++r) y[m * n_out + r] = O::st(_mm512_reduce_add_ps(acc[m][r]) * scale[r]);
+}
+#endif
+
+// Rows go R at a time, and the rows two steps ahead are prefetched: the matrix streams from
+// memory once per step, and with the hardware prefetcher alone the loop waited on it (the
+// default model's 28 MB: 2.1 -> 1.5 ms on 2 cores). Within a block, activation rows go 4 at a
+// time, then 2, then 1 (each weight vector widened once for the rows of a tile).
+template <typename O>
+[[gnu::noinline]] void int8_rows(const float* xf, int64_t rows, int64_t k, const int8_t* q, const float* scale,
+                                 typename O::T* y, int64_t n_out, int64_t n0, int64_t n1) {
   int64_t n = n0;
 #if defined(__AVX512F__)
   constexpr int R = 8;
@@ -509,51 +531,50 @@ template <typename S>
   for (; n + R <= n1; n += R) {
     const char* ahead = reinterpret_cast<const char*>(q + (n + 2 * R) * k);
     for (int64_t o = 0; o < R * k && ahead + o < end; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-    for (int64_t m = 0; m < rows; ++m) {
-      const float* x = xf + m * k;
-      __m512 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < k; c += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + c);
-        for (int r = 0; r < R; ++r) {
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + r) * k + c));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), xv, acc[r]);
-        }
-      }
-      for (int r = 0; r < R; ++r) y[m * n_out + n + r] = S::st(_mm512_reduce_add_ps(acc[r]) * S::ld(scale[n + r]));
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) {
+      int8_tile<O, 4, 4>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
+      int8_tile<O, 4, 4>(xf + m * k, k, q + (n + 4) * k, scale + n + 4, y + m * n_out + n + 4, n_out);
     }
+    for (; m + 2 <= rows; m += 2) {
+      int8_tile<O, 4, 2>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
+      int8_tile<O, 4, 2>(xf + m * k, k, q + (n + 4) * k, scale + n + 4, y + m * n_out + n + 4, n_out);
+    }
+    for (; m < rows; ++m) int8_tile<O, R, 1>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
   }
 #endif
   for (; n < n1; ++n) {
     const int8_t* w = q + n * k;
-    const float sc = S::ld(scale[n]);
-    for (int64_t m = 0; m < rows; ++m) {
-      y[m * n_out + n] = S::st(dot16<I8>(xf + m * k, w, k) * sc);
-    }
+    for (int64_t m = 0; m < rows; ++m) y[m * n_out + n] = O::st(dot16<I8>(xf + m * k, w, k) * scale[n]);
   }
 }
 
-// x [M, K] @ (q [N, K] int8 * scale [N])^T -> [M, N] in x's dtype, as torch's _weight_int8pack_mm.
-// For one row (one sequence decoding) it streams the weight faster than torch's kernel (the
-// default model's 28 MB output matrix, once per token: 1.9 vs 2.2-2.4 ms from memory, 2 cores);
-// from two rows on torch's wins (each extra row costs a full pass of arithmetic here).
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+// x [M, K] @ (q [N, K] int8 * scale [N])^T -> [M, N], as torch's _weight_int8pack_mm, in x's dtype
+// or (float32_out) in float32: the output projection's logits, which rounded to bfloat16 tie
+// tokens that float32 tells apart (a first answer of the bundled prompts flipped on one).
+// One row streams the weight faster than torch's kernel (28 MB: ~1.2-1.5 ms vs 1.5-2.2 from memory).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, bool float32_out) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "x [M,K], q [N,K] int8");
   TORCH_CHECK(x.size(1) == q.size(1) && q.size(1) % 16 == 0, "K must match and be a multiple of 16");
   TORCH_CHECK(scale.numel() == q.size(0) && scale.scalar_type() == x.scalar_type(), "scale [N] in x's dtype");
   const int64_t rows = x.size(0), k = x.size(1), n_out = q.size(0);
   const auto xf = x.to(at::kFloat).contiguous();
-  const auto sc = scale.contiguous();
-  auto y = at::empty({rows, n_out}, x.options());
-  dispatch(x.scalar_type(), "int8_linear", [&]<typename S>() {
+  const auto sc = scale.to(at::kFloat).contiguous();
+  auto y = at::empty({rows, n_out}, x.options().dtype(float32_out ? at::kFloat : x.scalar_type()));
+  auto run = [&]<typename O>() {
     const float* xp = xf.data_ptr<float>();
-    const auto* sp = ptr<S>(sc);
-    auto* yp = ptr<S>(y);
+    const float* sp = sc.data_ptr<float>();
+    auto* yp = ptr<O>(y);
     const int64_t threads = at::get_num_threads();
     at::parallel_for(0, n_out, std::max<int64_t>(512, (n_out + threads - 1) / threads), [&](int64_t n0, int64_t n1) {
-      int8_rows<S>(xp, rows, k, q.data_ptr<int8_t>(), sp, yp, n_out, n0, n1);
+      int8_rows<O>(xp, rows, k, q.data_ptr<int8_t>(), sp, yp, n_out, n0, n1);
     });
-  });
+  };
+  if (float32_out) {
+    run.template operator()<F32>();
+  } else {
+    dispatch(x.scalar_type(), "int8_linear", run);
+  }
   return y;
 }
 
@@ -904,7 +925,7 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin_signed) -> Tensor(a!)");
-  m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, bool float32_out=False) -> Tensor");
   m.def("q4_pack(Tensor codes, Tensor scale, Tensor min) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("q4_linear_portable(Tensor x, Tensor w, Tensor? bias) -> Tensor");

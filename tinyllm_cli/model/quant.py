@@ -213,10 +213,10 @@ class Int8Embedding(nn.Module):
         return self.q.index_select(0, ids).to(ACT_DTYPE).mul_(self.scale.index_select(0, ids)[:, None])
 
     def linear(self, x: Tensor) -> Tensor:
-        # One row (a single sequence decoding): tinyllm's kernel streams the matrix ~1.2x faster
-        # than torch's; from two rows on torch's kernel wins, as it reuses each weight row better.
-        if self.native and x.shape[0] == 1 and self.q.shape[1] % 16 == 0:
-            return native.int8_linear(x, self.q, self.scale)
+        # tinyllm's kernel returns float32 (it sums in float32 anyway): logits rounded to bfloat16
+        # tie tokens that float32 tells apart. torch's kernel (the fallback) returns bfloat16.
+        if self.native and self.q.shape[1] % 16 == 0:
+            return native.int8_linear(x, self.q, self.scale, float32_out=True)
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
 
 
