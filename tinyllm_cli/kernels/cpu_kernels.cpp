@@ -247,8 +247,103 @@ inline __m512 sum16x16(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
+// One query head, ready for dot products with K rows: the lanes of partial(k) sum to q . k
+// times the softmax scale, or to q . k when ``post`` (applied to the finished sums) is the scale.
+template <typename S, int64_t DIM>
+struct QueryRow {
+  __m512 qv[DIM / 16];
+  float post = 1.0f;
+  QueryRow(const typename S::T* q, float scale) {
+    for (int i = 0; i < DIM / 16; ++i) qv[i] = _mm512_mul_ps(load16(q + 16 * i), _mm512_set1_ps(scale));
+  }
+  __m512 partial(const typename S::T* k) const {
+    __m512 acc = _mm512_mul_ps(qv[0], load16(k));
+    for (int i = 1; i < DIM / 16; ++i) acc = _mm512_fmadd_ps(qv[i], load16(k + 16 * i), acc);
+    return acc;
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 heads: bf16 pair dot products, half the instructions of widening K and an FMA. Each
+// product of two bfloat16 numbers is exact in float32, as in the widened path; q stays unscaled
+// (scaling it first would round it), and the scale multiplies the finished sums.
+template <int64_t DIM>
+struct QueryRow<BF16, DIM> {
+  __m512bh qb[DIM / 32];
+  float post;
+  QueryRow(const uint16_t* q, float scale) : post(scale) {
+    for (int i = 0; i < DIM / 32; ++i) qb[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+  }
+  __m512 partial(const uint16_t* k) const {
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], (__m512bh)_mm512_loadu_si512(k));
+    for (int i = 1; i < DIM / 32; ++i) acc = _mm512_dpbf16_ps(acc, qb[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+    return acc;
+  }
+};
+#endif
+
+// row[d] = sum_t w[t] * V[t][d] over the rows at pool offsets ``rows``, in float32.
+template <typename S, int64_t DIM>
+struct WeightedV {
+  static void run(const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t len, float* row) {
+    __m512 acc[DIM / 16];
+    for (int i = 0; i < DIM / 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const typename S::T* v = v_pool + rows[t];
+      const __m512 wt = _mm512_set1_ps(w[t]);
+      for (int i = 0; i < DIM / 16; ++i) acc[i] = _mm512_fmadd_ps(wt, load16(v + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < DIM / 16; ++i) _mm512_storeu_ps(row + 16 * i, acc[i]);
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 V: two positions per bf16 pair dot product, V rows t and t+1 interleaved element by
+// element (unpack), the two softmax weights rounded to bfloat16 as a pair (as flash-attention
+// kernels round P before the PV product; each product is then exact in float32). Half the
+// instructions of widening V and an FMA per position.
+template <int64_t DIM>
+struct WeightedV<BF16, DIM> {
+  static void run(const uint16_t* v_pool, const int64_t* rows, const float* w, int64_t len, float* row) {
+    constexpr int H = DIM / 32;  // 32-element halves of a row... per 512-bit load
+    __m512 lo[H], hi[H];
+    for (int i = 0; i < H; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t t = 0; t < len; t += 2) {
+      const bool pair = t + 1 < len;
+      const uint16_t* v0 = v_pool + rows[t];
+      const uint32_t wp = static_cast<uint32_t>(BF16::st(w[t])) | static_cast<uint32_t>(pair ? BF16::st(w[t + 1]) : 0) << 16;
+      const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(wp));
+      for (int i = 0; i < H; ++i) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * i);
+        const __m512i b = pair ? _mm512_loadu_si512(v_pool + rows[t + 1] + 32 * i) : zero;
+        lo[i] = _mm512_dpbf16_ps(lo[i], (__m512bh)_mm512_unpacklo_epi16(a, b), wv);
+        hi[i] = _mm512_dpbf16_ps(hi[i], (__m512bh)_mm512_unpackhi_epi16(a, b), wv);
+      }
+    }
+    // unpacklo/hi work per 128-bit quarter L: lane 4L + j of lo holds element 8L + j, of hi 8L + 4 + j.
+    for (int i = 0; i < H; ++i) {
+      alignas(64) float a[16], b[16];
+      _mm512_store_ps(a, lo[i]);
+      _mm512_store_ps(b, hi[i]);
+      for (int l = 0; l < 4; ++l)
+        for (int j = 0; j < 4; ++j) {
+          row[32 * i + 8 * l + j] = a[4 * l + j];
+          row[32 * i + 8 * l + 4 + j] = b[4 * l + j];
+        }
+    }
+  }
+};
+#endif
+
+template <typename S, int64_t DIM>
+inline void weighted_v_sum(const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t len, float* row) {
+  WeightedV<S, DIM>::run(v_pool, rows, w, len, row);
+}
+
 // attend_pair's math with the head in registers (DIM = 64 or 128): scores 16 positions at a
-// time, a running weighted sum of V per query head. Same float32 arithmetic, another order.
+// time (QueryRow), a running weighted sum of V per query head. Float32 arithmetic in another
+// order; with AVX512-BF16, bfloat16 heads use bf16 pair dot products (QueryRow, WeightedV).
 template <typename S, int64_t DIM>
 void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename S::T* k_pool,
                      const typename S::T* v_pool, const int64_t* table, int64_t len, int64_t block_size,
@@ -264,38 +359,21 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
     for (int64_t o = 0; o < n; ++o) rows[start + o] = base + o * row_stride;
   }
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 qv[V];
-    for (int i = 0; i < V; ++i) qv[i] = _mm512_mul_ps(load16(q + g * q_stride_h + 16 * i), _mm512_set1_ps(scale));
+    const QueryRow<S, DIM> qr(q + g * q_stride_h, scale);
+    const __m512 post = _mm512_set1_ps(qr.post);
     float* sg = scores.data() + g * len;
     int64_t p = 0;
     for (; p + 16 <= len; p += 16) {
       __m512 part[16];
-      for (int r = 0; r < 16; ++r) {
-        const typename S::T* k = k_pool + rows[p + r];
-        __m512 acc = _mm512_mul_ps(qv[0], load16(k));
-        for (int i = 1; i < V; ++i) acc = _mm512_fmadd_ps(qv[i], load16(k + 16 * i), acc);
-        part[r] = acc;
-      }
-      _mm512_storeu_ps(sg + p, sum16x16(part));
+      for (int r = 0; r < 16; ++r) part[r] = qr.partial(k_pool + rows[p + r]);
+      _mm512_storeu_ps(sg + p, _mm512_mul_ps(sum16x16(part), post));
     }
-    for (; p < len; ++p) {
-      const typename S::T* k = k_pool + rows[p];
-      __m512 acc = _mm512_mul_ps(qv[0], load16(k));
-      for (int i = 1; i < V; ++i) acc = _mm512_fmadd_ps(qv[i], load16(k + 16 * i), acc);
-      sg[p] = _mm512_reduce_add_ps(acc);
-    }
+    for (; p < len; ++p) sg[p] = _mm512_reduce_add_ps(qr.partial(k_pool + rows[p])) * qr.post;
     const float total = softmax_numerators(sg, len);
-    __m512 acc[V];
-    for (int i = 0; i < V; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      const typename S::T* v = v_pool + rows[t];
-      const __m512 w = _mm512_set1_ps(sg[t]);
-      for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(w, load16(v + 16 * i), acc[i]);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / total);
     alignas(64) float row[DIM];
-    for (int i = 0; i < V; ++i) _mm512_store_ps(row + 16 * i, _mm512_mul_ps(acc[i], inv));
-    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = S::st(row[d]);
+    weighted_v_sum<S, DIM>(v_pool, rows.data(), sg, len, row);
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = S::st(row[d] * inv);
   }
 }
 #endif
