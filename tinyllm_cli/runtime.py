@@ -39,7 +39,8 @@ def resolve_dtype(name: str, device: torch.device, quant: str = "none") -> torch
 
 
 def check_quant(quant: str, dtype: torch.dtype, device: torch.device) -> None:
-    """``quant: gguf`` runs torch's CPU int4 / int8 kernels, which compute in bfloat16."""
+    """``quant: gguf`` runs 4-bit / int8 CPU kernels (tinyllm's, or torch's as the fallback), which
+    take bfloat16 activations."""
     if quant == "none":
         return
     if not int4_usable(device):

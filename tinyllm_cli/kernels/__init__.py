@@ -6,7 +6,10 @@ step, and each prefill segment is one more SDPA call. The kernel serves every qu
 step (decode and prefill) in one call, reading K/V where they live in the blocks, once per
 (row, kv head) for all query heads of the group, in float32 arithmetic. The three fused elementwise ops (residual add +
 RMSNorm, SiLU * up, RoPE in place) replace 2-9 eager ops each, which a one-token step feels as
-dispatch overhead and a batched step as extra passes over memory.
+dispatch overhead and a batched step as extra passes over memory. ``q4_linear`` / ``int8_linear``
+are the matmuls of ``quant: gguf`` (``model/quant.py``): 4-bit weights as bfloat16 dot products
+(AVX512-BF16), int8 rows widened once per group of activation rows, both prefetching the weight
+stream that a one-row step is bound by.
 
 Invariants:
 - Building needs a C++ compiler and ninja (the ``ninja`` wheel is a dependency). Where the build

@@ -20,9 +20,15 @@
 // decoder_layer, which runs a whole layer (those ops, the weight matmuls, the K/V write and
 // paged_attention) in one call from Python.
 //
+// And the matmuls of quant: gguf: q4_linear (4-bit weights in q4_pack's layout) and int8_linear
+// (int8 rows with a per-row scale, e.g. the output projection).
+//
 // Numerics, for every op: loads widen to float32, all arithmetic is float32, and each result is
-// rounded once to the tensor's dtype (bfloat16: round to nearest even, as PyTorch rounds).
-// Inner loops run over raw storage (float, or uint16_t bits for bfloat16) so that they vectorize.
+// rounded once to the tensor's dtype (bfloat16: round to nearest even, as PyTorch rounds). The
+// exception: bfloat16 dot products (AVX512-BF16: q4_linear, and bfloat16 attention, whose softmax
+// weights round to bfloat16 before P.V), where each product is exact in float32 and sums are float32.
+// Inner loops run over raw storage (float, or uint16_t bits for bfloat16) so that they vectorize;
+// the hot matmul and attention loops have AVX-512 intrinsic paths next to portable ones.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
