@@ -88,7 +88,8 @@ def resolve_attention(name: str, device: torch.device) -> str:
 @lru_cache(maxsize=1)
 def _note_fallback(reason: str | None) -> None:
     print(f"note: tinyllm's CPU kernels did not build ({reason}); attention and the layer ops run on "
-          f"the slower PyTorch ops and gather path", file=sys.stderr)
+          f"the slower PyTorch ops and gather path (and quant: gguf on torch's int4 / int8 matmuls)",
+          file=sys.stderr)
 
 
 def chunk_mask(start: int, n: int, device) -> Tensor:
