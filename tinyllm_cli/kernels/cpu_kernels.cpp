@@ -311,7 +311,7 @@ struct WeightedV {
 template <int64_t DIM>
 struct WeightedV<BF16, DIM> {
   static void run(const uint16_t* v_pool, const int64_t* rows, const float* w, int64_t len, float* row) {
-    constexpr int H = DIM / 32;  // 32-element halves of a row... per 512-bit load
+    constexpr int H = DIM / 32;  // 512-bit loads per row (32 bfloat16 each)
     __m512 lo[H], hi[H];
     for (int i = 0; i < H; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
     const __m512i zero = _mm512_setzero_si512();
@@ -342,19 +342,15 @@ struct WeightedV<BF16, DIM> {
 };
 #endif
 
-template <typename S, int64_t DIM>
-inline void weighted_v_sum(const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t len, float* row) {
-  WeightedV<S, DIM>::run(v_pool, rows, w, len, row);
-}
-
 // attend_pair's math with the head in registers (DIM = 64 or 128): scores 16 positions at a
 // time (QueryRow), a running weighted sum of V per query head. Float32 arithmetic in another
 // order; with AVX512-BF16, bfloat16 heads use bf16 pair dot products (QueryRow, WeightedV).
+// attend_pair's signature (the head size is DIM, so its run-time copy goes unused).
 template <typename S, int64_t DIM>
 void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename S::T* k_pool,
                      const typename S::T* v_pool, const int64_t* table, int64_t len, int64_t block_size,
-                     int64_t hkv, int64_t kv_head, int64_t groups, float scale, typename S::T* out, Scratch& buf) {
-  constexpr int V = DIM / 16;  // vectors per head row
+                     int64_t hkv, int64_t kv_head, int64_t groups, int64_t /*dim_rt*/, float scale,
+                     typename S::T* out, Scratch& buf) {
   const int64_t row_stride = hkv * DIM;
   auto& rows = buf.rows;
   auto& scores = buf.scores;
@@ -377,20 +373,10 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
     for (; p < len; ++p) sg[p] = _mm512_reduce_add_ps(qr.partial(k_pool + rows[p])) * qr.post;
     const float total = softmax_numerators(sg, len);
     alignas(64) float row[DIM];
-    weighted_v_sum<S, DIM>(v_pool, rows.data(), sg, len, row);
+    WeightedV<S, DIM>::run(v_pool, rows.data(), sg, len, row);
     const float inv = 1.0f / total;
     for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = S::st(row[d] * inv);
   }
-}
-#endif
-
-#if defined(__AVX512F__)
-template <typename S, int64_t DIM>
-void attend_pair_vec_adapter(const typename S::T* q, int64_t q_stride_h, const typename S::T* k_pool,
-                             const typename S::T* v_pool, const int64_t* table, int64_t len, int64_t block_size,
-                             int64_t hkv, int64_t kv_head, int64_t groups, int64_t, float scale, typename S::T* out,
-                             Scratch& buf) {
-  attend_pair_vec<S, DIM>(q, q_stride_h, k_pool, v_pool, table, len, block_size, hkv, kv_head, groups, scale, out, buf);
 }
 #endif
 
@@ -460,8 +446,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
     auto pair_fn = dim == 64 ? &attend_pair<S, 64> : dim == 128 ? &attend_pair<S, 128> : &attend_pair<S, 0>;
 #if defined(__AVX512F__)
     if constexpr (!std::is_same_v<S, F16>) {
-      if (dim == 64) pair_fn = &attend_pair_vec_adapter<S, 64>;
-      if (dim == 128) pair_fn = &attend_pair_vec_adapter<S, 128>;
+      if (dim == 64) pair_fn = &attend_pair_vec<S, 64>;
+      if (dim == 128) pair_fn = &attend_pair_vec<S, 128>;
     }
 #endif
     const auto bounds = balanced_split(len_p, rows, hkv, positions * heads);
@@ -726,11 +712,16 @@ inline int q4_code(const uint8_t* block, int64_t i, int64_t j, int r) {
   return (block[i * 64 + j * 4 + byte_of[r]] >> shift_of[r]) & 15;
 }
 
+// The one rounding of a q4_linear output: y = bf16(sum + bias), bias per column (or none).
+inline uint16_t q4_out(float sum, const float* bias, int64_t col) {
+  return BF16::st(bias != nullptr ? sum + bias[col] : sum);
+}
+
 // y[m][n] for blocks [b0, b1) without vector intrinsics: any CPU, and the tests' reference for
 // the layout. fp32 arithmetic on the same bfloat16 inputs; differs from the fast path in
-// summation order only.
+// summation order only. y and bias are indexed by global column (bias may be null).
 void q4_rows_portable(const uint16_t* x, int64_t rows, int64_t k, const uint8_t* w, int64_t b0, int64_t b1,
-                      float* y, int64_t ldy) {
+                      const float* bias, uint16_t* y, int64_t ldy) {
   const int64_t groups = k / 32;
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t b = b0; b < b1; ++b)
@@ -751,7 +742,7 @@ void q4_rows_portable(const uint16_t* x, int64_t rows, int64_t k, const uint8_t*
           std::memcpy(&mn, block + 288 + 2 * j, 2);
           total += half_bits_to_float(s) * dot + half_bits_to_float(mn) * sum;
         }
-        y[m * ldy + b * 16 + j] = total;
+        y[m * ldy + b * 16 + j] = q4_out(total, bias, b * 16 + j);
       }
 }
 
@@ -764,9 +755,10 @@ constexpr bool kQ4Fast = true;
 // Prefetches the same group of the next tile (``ahead`` bytes on) while computing this one: in a
 // one-row step the weights stream from memory, and the hardware prefetcher alone left the loop
 // waiting on it.
+// y and bias point at the tile's first column (bias may be null).
 template <int MT, int NB>
 inline void q4_tile(const uint16_t* x, int64_t ldx, const float* xsum, int64_t groups, const uint8_t* w,
-                    int64_t bstride, float* y, int64_t ldy, int64_t ahead, const uint8_t* end) {
+                    int64_t bstride, const float* bias, uint16_t* y, int64_t ldy, int64_t ahead, const uint8_t* end) {
   __m512 acc[MT][NB];
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
@@ -814,30 +806,39 @@ inline void q4_tile(const uint16_t* x, int64_t ldx, const float* xsum, int64_t g
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(y + m * ldy + b * 16, acc[m][b]);
+    for (int b = 0; b < NB; ++b) {
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, acc[m][b]);
+      for (int j = 0; j < 16; ++j) y[m * ldy + b * 16 + j] = q4_out(sums[j], bias, b * 16 + j);
+    }
 }
 
 // Rows [0, MT) of x against blocks [b0, b1): tiles of NB blocks (as many as the registers hold
 // for MT rows), then single blocks.
 template <int MT>
 void q4_row_tile(const uint16_t* x, int64_t k, const float* xsum, const uint8_t* w, int64_t b0, int64_t b1,
-                 int64_t end_block, float* y, int64_t ldy) {
+                 int64_t end_block, const float* bias, uint16_t* y, int64_t ldy) {
   constexpr int NB = MT == 4 ? 2 : 4;
   const int64_t groups = k / 32, bstride = groups * Q4_BLOCK;
   const uint8_t* end = w + end_block * bstride;
+  auto tile_bias = [&](int64_t b) { return bias != nullptr ? bias + b * 16 : nullptr; };
   int64_t b = b0;
   for (; b + NB <= b1; b += NB)
-    q4_tile<MT, NB>(x, k, xsum, groups, w + b * bstride, bstride, y + b * 16, ldy, NB * bstride, end);
-  for (; b < b1; ++b) q4_tile<MT, 1>(x, k, xsum, groups, w + b * bstride, bstride, y + b * 16, ldy, bstride, end);
+    q4_tile<MT, NB>(x, k, xsum, groups, w + b * bstride, bstride, tile_bias(b), y + b * 16, ldy, NB * bstride, end);
+  for (; b < b1; ++b)
+    q4_tile<MT, 1>(x, k, xsum, groups, w + b * bstride, bstride, tile_bias(b), y + b * 16, ldy, bstride, end);
 }
 
+// y and bias are indexed by global column (bias may be null).
 void q4_rows_fast(const uint16_t* x, int64_t rows, int64_t k, const float* xsum, const uint8_t* w, int64_t b0,
-                  int64_t b1, int64_t end_block, float* y, int64_t ldy) {
+                  int64_t b1, int64_t end_block, const float* bias, uint16_t* y, int64_t ldy) {
   const int64_t groups = k / 32;
   int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) q4_row_tile<4>(x + m * k, k, xsum + m * groups, w, b0, b1, end_block, y + m * ldy, ldy);
-  for (; m + 2 <= rows; m += 2) q4_row_tile<2>(x + m * k, k, xsum + m * groups, w, b0, b1, end_block, y + m * ldy, ldy);
-  for (; m < rows; ++m) q4_row_tile<1>(x + m * k, k, xsum + m * groups, w, b0, b1, end_block, y + m * ldy, ldy);
+  for (; m + 4 <= rows; m += 4)
+    q4_row_tile<4>(x + m * k, k, xsum + m * groups, w, b0, b1, end_block, bias, y + m * ldy, ldy);
+  for (; m + 2 <= rows; m += 2)
+    q4_row_tile<2>(x + m * k, k, xsum + m * groups, w, b0, b1, end_block, bias, y + m * ldy, ldy);
+  for (; m < rows; ++m) q4_row_tile<1>(x + m * k, k, xsum + m * groups, w, b0, b1, end_block, bias, y + m * ldy, ldy);
 }
 #else
 constexpr bool kQ4Fast = false;
@@ -874,26 +875,18 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& packed, const std::o
   // One contiguous range of blocks per thread: each streams its own part of the weight once.
   const int64_t threads = at::get_num_threads(), grain = (blocks + threads - 1) / threads;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t width = (b1 - b0) * 16;
-    std::vector<float> out(rows * width);
-    float* o = out.data() - b0 * 16;  // indexed by global column
     // Many rows: 8 blocks at a time stay in cache while every row tile passes over them.
     const int64_t chunk = rows <= 4 ? b1 - b0 : 8;
     for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
       const int64_t c1 = std::min(b1, c0 + chunk);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if (!portable) {
-        q4_rows_fast(xp, rows, k, xsum.data(), wp, c0, c1, b1, o, width);
+        q4_rows_fast(xp, rows, k, xsum.data(), wp, c0, c1, b1, bp, yp, n);
         continue;
       }
 #endif
-      q4_rows_portable(xp, rows, k, wp, c0, c1, o, width);
+      q4_rows_portable(xp, rows, k, wp, c0, c1, bp, yp, n);
     }
-    for (int64_t m = 0; m < rows; ++m)
-      for (int64_t c = 0; c < width; ++c) {
-        const int64_t col = b0 * 16 + c;
-        yp[m * n + col] = BF16::st(out[m * width + c] + (bp ? bp[col] : 0.0f));
-      }
   });
   return y;
 }

@@ -207,7 +207,7 @@ class Int8Embedding(nn.Module):
         super().__init__()
         self.register_buffer("q", w.q)
         self.register_buffer("scale", w.scale.to(ACT_DTYPE))
-        self.native = False  # set by llama.use_native_ops: one row goes through tinyllm's kernel
+        self.native = False  # set by llama.use_native_ops: the output projection runs tinyllm's int8 kernel
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.q.index_select(0, ids).to(ACT_DTYPE).mul_(self.scale.index_select(0, ids)[:, None])
