@@ -3,7 +3,7 @@
 What each engine measures (every timer covers generation only unless the row says otherwise):
 
 - tinyllm (in this process, model loaded once per dtype): one engine run of the whole workload
-  (``bench.run_one``: paged cache, greedy, ``ignore_eos``); total tok/s = (prompt + output
+  (``LLM.generate``: paged cache, greedy, ``ignore_eos``); total tok/s = (prompt + output
   tokens) / wall time of the run. ``--batch-config`` gives its config (default: built-in).
 - transformers (in this process): ``generate`` on one left-padded batch of the same ids, exactly
   N new tokens each (``tinyllm_cli.baselines.hf_generate_baseline``, as ``tinyllm bench
@@ -346,7 +346,7 @@ def _field_scalar(f, idx: int, vtype):
 
 def make_prompts(hf_dir: Path, wl: Workload, seed: int) -> list[list[int]]:
     """The same seeded prompts `tinyllm bench` draws (ids above the special tokens)."""
-    from tinyllm_cli.bench import random_prompts
+    from tinyllm_cli.workload import random_prompts
     cfg = json.loads((hf_dir / "config.json").read_text())
     eos = cfg.get("eos_token_id", 0)
     mcfg = SimpleNamespace(vocab_size=cfg["vocab_size"], eos_token_ids=eos if isinstance(eos, list) else [eos],
@@ -373,31 +373,26 @@ class Run:
 
 
 class TinyEngine:
-    """tinyllm in this process: the model is loaded once, each run builds a fresh engine."""
+    """tinyllm in this process, through its Python API: the model is loaded once, and each run
+    gets a fresh engine (``reconfigure``: a new KV pool, so no run reuses another's prefix cache)."""
 
     def __init__(self, model: str, dtype: str | None, config: Path | None):
-        from tinyllm_cli.config import load_config
-        from tinyllm_cli.runtime import kv_budget, load_runtime
-        over = {"model": model, "device": "cpu"} | ({"dtype": dtype} if dtype else {})
-        self.cfg = load_config(config, over)
-        self.rt = load_runtime(self.cfg, progress=False)
-        self.budget = kv_budget(self.cfg, self.rt.model.cfg, self.rt.dtype)
+        from tinyllm_cli import LLM
+        self.llm = LLM(model, config=config, device="cpu", progress=False, **({"dtype": dtype} if dtype else {}))
         self._run([[5, 6, 7, 8]] * 2, 4)  # first-call costs (allocator, kernels) stay out of the timings
 
     def _run(self, prompts, output_len):
-        from tinyllm_cli.bench import run_one
-        c = self.cfg.cache
-        tokens: list = []
-        s = run_one(self.cfg, self.rt, c.kind, c.block_size, self.budget, prompts, output_len, c.prefix_caching,
-                    tokens_out=tokens)
-        return s, tokens
+        from tinyllm_cli import SamplingParams
+        self.llm.reconfigure()
+        outs = self.llm.generate(prompts, SamplingParams(max_new_tokens=output_len, ignore_eos=True), use_tqdm=False)
+        return self.llm.stats, [o.token_ids for o in outs]
 
     def run(self, prompts, output_len) -> Run:
         s, tokens = self._run(prompts, output_len)
         return Run(s["elapsed_s"], total_tokens(prompts, output_len), tokens)
 
     def close(self) -> None:
-        self.rt = None
+        self.llm.close()
 
 
 class HFEngine:

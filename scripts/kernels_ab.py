@@ -19,7 +19,6 @@ Greedy, EOS ignored. Read ratios, not absolutes: these machines are noisy.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -36,11 +35,13 @@ def set_path(model, dense: str) -> None:
     use_native_ops(model, dense == "fused")
 
 
-def run(cfg, rt, budget, prompts, new_tokens, attention: str, dense: str) -> dict:
-    from tinyllm_cli.bench import run_one
-    set_path(rt.model, dense)
-    c = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, attention=attention))
-    s = run_one(c, rt, c.cache.kind, c.cache.block_size, budget, prompts, new_tokens, c.cache.prefix_caching)
+def run(llm, prompts, new_tokens, attention: str, dense: str) -> dict:
+    """One run on a fresh engine (new pool) with this attention path and dense path."""
+    from tinyllm_cli import SamplingParams
+    set_path(llm.runtime.model, dense)
+    llm.reconfigure(attention=attention)
+    llm.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    s = llm.stats
     tpot = s["tpot_s"]["p50"] if isinstance(s.get("tpot_s"), dict) else None
     return {"total_tok_s": s["total_tokens_per_s"], "decode_tok_s": 1 / tpot if tpot else None,
             "elapsed_s": s["elapsed_s"]}
@@ -62,9 +63,8 @@ def main() -> int:
 
     from scripts.compare_engines import cpu_info, cpu_label  # the same CPU facts as the engine comparison
     from tinyllm_cli import kernels
-    from tinyllm_cli.bench import random_prompts
-    from tinyllm_cli.config import load_config
-    from tinyllm_cli.runtime import kv_budget, load_runtime
+    from tinyllm_cli import LLM
+    from tinyllm_cli.workload import random_prompts
 
     if not kernels.load():
         print(f"the kernels did not build ({kernels.load_error()}); nothing to compare", file=sys.stderr)
@@ -74,25 +74,25 @@ def main() -> int:
     dtypes = a.dtypes.split(",") if a.dtypes else ["config"] if a.config else ["float32", "bfloat16"]
     for dtype in dtypes:
         over = {"device": "cpu"} | ({"model": a.model} if a.model else {}) | ({} if dtype == "config" else {"dtype": dtype})
-        cfg = load_config(a.config, over)
-        rt = load_runtime(cfg, progress=False)
-        budget = kv_budget(cfg, rt.model.cfg, rt.dtype)
+        llm = LLM(config=a.config, progress=False, **over)
+        rt = llm.runtime
         for w in a.workloads.split(","):
             n, length, ratio, new = WORKLOADS[w]
-            prompts = random_prompts(rt.model.cfg, n, length, ratio, 0)
-            run(cfg, rt, budget, prompts[:2], 4, "kernel", "fused")  # first-call costs stay out
+            prompts = random_prompts(rt.model_cfg, n, length, ratio, 0)
+            run(llm, prompts[:2], 4, "kernel", "fused")  # first-call costs stay out
             got: dict[str, list[float]] = {name: [] for name in PATHS}
             for r in range(a.repeat):
                 for name, (attention, dense) in PATHS.items():
-                    res = run(cfg, rt, budget, prompts, new, attention, dense)
+                    res = run(llm, prompts, new, attention, dense)
                     value = res["decode_tok_s"] if w == "single" else res["total_tok_s"]
                     got[name].append(value)
                     runs.append({"workload": w, "dtype": str(rt.dtype).removeprefix("torch."), "path": name,
                                  "round": r} | res)
                     print(f"[ab] {w} {dtype} round {r + 1}/{a.repeat}: {name} {value:.1f}", file=sys.stderr)
             med = {k: statistics.median(v) for k, v in got.items()}
-            rows.append((w, str(rt.dtype).removeprefix("torch."), rt.model.quant, med))
+            rows.append((w, str(rt.dtype).removeprefix("torch."), rt.quant, med))
         set_path(rt.model, "fused")
+        llm.close()
     t = Table(title=f"tinyllm's CPU kernels, interleaved A/B · {cpu} · median of {a.repeat}")
     for col in ("workload", "dtype", "unit", *PATHS, "attention / pytorch", "kernels / pytorch"):
         t.add_column(col)

@@ -83,7 +83,7 @@ def test_bad_flag_is_one_usage_error(tmp_path):
 
 
 def test_prompts_are_the_ones_tinyllm_bench_draws(llama_dir):
-    from tinyllm_cli.bench import random_prompts
+    from tinyllm_cli.workload import random_prompts
     from tinyllm_cli.model.checkpoint import load_checkpoint
     wl = ce.FULL["W1"]
     cfg = load_checkpoint(str(llama_dir), progress=False).config

@@ -35,7 +35,7 @@ from tinyllm_cli.engine.request import Request
 from tinyllm_cli.errors import UsageError
 from tinyllm_cli.io import ALIASES, REQUEST_KEYS, SAMPLING_KEYS, RequestBuilder, check_prompt_file, read_records, record_id
 from tinyllm_cli.model.checkpoint import default_model_path
-from tinyllm_cli.serve import BadLine, decode_line, parse_request
+from tinyllm_cli.openai_batch import BadLine, decode_line, parse_request
 
 VOCAB = 320  # llama_dir's vocabulary
 SUB_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # subprocesses: no thread oversubscription on 2 cores
@@ -184,8 +184,8 @@ def test_bad_jsonl_lines_become_error_results(capsys, tmp_path, llama_dir):
     ("dtype: int8\n", ["dtype", "line 1"]),
 ])
 def test_config_errors_name_key_and_line(capsys, tmp_path, monkeypatch, llama_dir, yaml_text, needles):
-    import tinyllm_cli.commands
-    monkeypatch.setattr(tinyllm_cli.commands, "load_runtime", lambda *a, **k: pytest.fail("a model was loaded"))
+    import tinyllm_cli.llm
+    monkeypatch.setattr(tinyllm_cli.llm, "load_runtime", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml_text)
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt_token_ids": [5]}])

@@ -194,7 +194,7 @@ def test_quantized_engine_equals_no_cache_recompute(q4_gguf):
     cfg.cache.block_size, cfg.cache.num_blocks = 4, 12
     ck = load_checkpoint(cfg.model, progress=False, quant="gguf")
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
-    rt = Runtime(model, None, "tiny", torch.device("cpu"), torch.bfloat16, 0.0)
+    rt = Runtime.of_model(model, ck, torch.device("cpu"), torch.bfloat16, 0.0)
     eng = make_engine(cfg, rt)
     p = SamplingParams(max_new_tokens=10, ignore_eos=True)
     outs = {o.id: o for o in eng.run([Request(str(i), pr, p, index=i) for i, pr in enumerate(PROMPTS)])}

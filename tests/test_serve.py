@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from tinyllm_cli.cli import main
-from tinyllm_cli.serve import poisson_gaps
+from tinyllm_cli.commands.serve_batch import poisson_gaps
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 FAST = ["--device", "cpu", "--num-blocks", "128", "--max-new-tokens", "8"]

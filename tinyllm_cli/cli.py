@@ -6,6 +6,8 @@ Exit codes: 0 success, 2 usage/config error (nothing ran), 1 runtime error, 130 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import signal
 import sys
@@ -42,128 +44,142 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_print_ver
     pass
 
 
-# ---- options shared by every command that runs the engine ------------------------------------
+# ---- options, declared once -----------------------------------------------------------------
+# Every option a command shares with another is declared here, once, by the setting's own name
+# (``config.flat_keys``); ``@shared(...)`` adds the ones a command takes to its signature and
+# hands their values to it as one ``Opts`` mapping.
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file (defaults are built in).")]
-ModelOpt = Annotated[Optional[str], typer.Option(help="'default', a .gguf file, a Hugging Face model directory or a Hub id ORG/NAME[@REVISION].")]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")]
-DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")]
-GemmOpt = Annotated[Optional[str], typer.Option(help="Weight matmuls: auto (oneDNN with packed weights on CPU), onednn or torch.")]
-QuantOpt = Annotated[Optional[str], typer.Option(help="Weights: none (dequantize) or gguf (keep a GGUF's 4-/8-bit blocks; CPU, bfloat16).")]
-CacheOpt = Annotated[Optional[str], typer.Option("--cache", help="KV cache kind: paged or slot.")]
-AttnOpt = Annotated[Optional[str], typer.Option("--attention", help="Attention over the cache: auto, kernel (tinyllm's CPU kernel, reads K/V in the blocks) or gather (PyTorch SDPA on copied K/V).")]
-BlockOpt = Annotated[Optional[int], typer.Option(help="Tokens per KV block (paged cache).")]
-NumBlocksOpt = Annotated[Optional[int], typer.Option(help="KV pool size in blocks (wins over --kv-memory).")]
-KvMemOpt = Annotated[Optional[str], typer.Option(help="KV pool size in bytes, e.g. 512MiB.")]
-SeqsOpt = Annotated[Optional[int], typer.Option(help="Most sequences running at once.")]
-LenOpt = Annotated[Optional[int], typer.Option(help="Longest prompt + output, in tokens.")]
-PrefillOpt = Annotated[Optional[int], typer.Option(help="Prefill token budget per step (longer prompts are chunked).")]
-NewOpt = Annotated[Optional[int], typer.Option(help="Tokens to generate per request.")]
-TempOpt = Annotated[Optional[float], typer.Option(help="0 = greedy.")]
-TopPOpt = Annotated[Optional[float], typer.Option()]
-TopKOpt = Annotated[Optional[int], typer.Option(help="0 = off.")]
-MinPOpt = Annotated[Optional[float], typer.Option()]
-RepOpt = Annotated[Optional[float], typer.Option(help="1.0 = off.")]
-SeedOpt = Annotated[Optional[int], typer.Option(help="Sampling seed (per request streams derive from it).")]
-NOpt = Annotated[Optional[int], typer.Option("--n", help="Completions per prompt (the prompt is prefilled once).")]
-LogprobsOpt = Annotated[Optional[int], typer.Option("--logprobs", help="Report each output token's logprob and K alternatives (0-20).")]
-PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs",
-                                                          help="Report each prompt token's logprob and K alternatives (0-20).")]
-PrefixOpt = Annotated[Optional[bool], typer.Option("--prefix-cache/--no-prefix-cache",
-                                                   help="Reuse K/V of shared prompt prefixes (paged; default on).")]
-EosOpt = Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="Keep generating past EOS.")]
+SHARED: dict[str, tuple[object, object]] = {
+    "config": (Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file (defaults are built in).")], None),
+    "model": (Annotated[Optional[str], typer.Option(help="'default', a .gguf file, a Hugging Face model directory or a Hub id ORG/NAME[@REVISION].")], None),
+    "device": (Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")], None),
+    "dtype": (Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")], None),
+    "gemm": (Annotated[Optional[str], typer.Option(help="Weight matmuls: auto (oneDNN with packed weights on CPU), onednn or torch.")], None),
+    "quant": (Annotated[Optional[str], typer.Option(help="Weights: none (dequantize) or gguf (keep a GGUF's 4-/8-bit blocks; CPU, bfloat16).")], None),
+    "attention": (Annotated[Optional[str], typer.Option("--attention", help="Attention over the cache: auto, kernel (tinyllm's CPU kernel, reads K/V in the blocks) or gather (PyTorch SDPA on copied K/V).")], None),
+    "cache": (Annotated[Optional[str], typer.Option("--cache", help="KV cache kind: paged or slot.")], None),
+    "block_size": (Annotated[Optional[int], typer.Option(help="Tokens per KV block (paged cache).")], None),
+    "num_blocks": (Annotated[Optional[int], typer.Option(help="KV pool size in blocks (wins over --kv-memory).")], None),
+    "kv_memory": (Annotated[Optional[str], typer.Option(help="KV pool size in bytes, e.g. 512MiB.")], None),
+    "max_model_len": (Annotated[Optional[int], typer.Option(help="Longest prompt + output, in tokens.")], None),
+    "prefix_cache": (Annotated[Optional[bool], typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse K/V of shared prompt prefixes (paged; default on).")], None),
+    "max_num_seqs": (Annotated[Optional[int], typer.Option(help="Most sequences running at once.")], None),
+    "max_prefill_tokens": (Annotated[Optional[int], typer.Option(help="Prefill token budget per step (longer prompts are chunked).")], None),
+    "max_new_tokens": (Annotated[Optional[int], typer.Option(help="Tokens to generate per request.")], None),
+    "temperature": (Annotated[Optional[float], typer.Option(help="0 = greedy.")], None),
+    "top_p": (Annotated[Optional[float], typer.Option()], None),
+    "top_k": (Annotated[Optional[int], typer.Option(help="0 = off.")], None),
+    "min_p": (Annotated[Optional[float], typer.Option()], None),
+    "repetition_penalty": (Annotated[Optional[float], typer.Option(help="1.0 = off.")], None),
+    "seed": (Annotated[Optional[int], typer.Option(help="The run's seed (default 0): each request without its own 'seed' samples with one derived from it and the request's id.")], None),
+    "ignore_eos": (Annotated[Optional[bool], typer.Option("--ignore-eos/--no-ignore-eos", help="Keep generating past EOS.")], None),
+    "n": (Annotated[Optional[int], typer.Option("--n", help="Completions per prompt (the prompt is prefilled once).")], None),
+    "logprobs": (Annotated[Optional[int], typer.Option("--logprobs", help="Report each output token's logprob and K alternatives (0-20).")], None),
+    "prompt_logprobs": (Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Report each prompt token's logprob and K alternatives (0-20).")], None),
+    "workers": (Annotated[Optional[int], typer.Option("--workers", help="Engine workers on a Ray cluster (1 = in-process).")], None),
+    "ray_address": (Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster: 'auto', HOST:PORT or 'local' (default: a local instance when --workers > 1).")], None),
+    "worker_cpus": (Annotated[Optional[float], typer.Option("--worker-cpus", help="CPUs per Ray worker (its torch threads).")], None),
+    "worker_gpus": (Annotated[Optional[float], typer.Option("--worker-gpus", help="GPUs per Ray worker.")], None),
+    "quiet": (Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")], False),
+    "debug": (Annotated[bool, typer.Option("--debug", help="Show tracebacks.")], False),
+    "stats_json": (Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")], None),
+    "plot": (Annotated[Optional[Path], typer.Option("--plot", help="Draw the results into FILE.png or FILE.svg (needs tinyllm[plot]).")], None),
+}
+GROUPS = {
+    "MODEL": ("config", "model", "device", "dtype", "gemm", "quant", "attention"),
+    "CACHE": ("cache", "block_size", "num_blocks", "kv_memory", "max_model_len", "prefix_cache"),
+    "SCHEDULER": ("max_num_seqs", "max_prefill_tokens"),
+    "SAMPLING": ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+                 "ignore_eos", "n", "logprobs", "prompt_logprobs"),
+    "CLUSTER": ("workers", "ray_address", "worker_cpus", "worker_gpus"),
+    "RUN": ("quiet", "debug", "stats_json"),
+}
+NOT_SETTINGS = {"config", "quiet", "debug", "stats_json", "plot"}  # options that are not config keys
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Wrap plain prompts in the model's chat template.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
-StatsOpt = Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")]
-PlotOpt = Annotated[Optional[Path], typer.Option("--plot", help="Draw the results into FILE.png or FILE.svg (needs tinyllm[plot]).")]
-WorkersOpt = Annotated[Optional[int], typer.Option("--workers", help="Engine workers on a Ray cluster (1 = in-process).")]
-RayAddressOpt = Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster: 'auto', HOST:PORT or 'local' "
-                                                      "(default: a local instance when --workers > 1).")]
-WorkerCpusOpt = Annotated[Optional[float], typer.Option("--worker-cpus", help="CPUs per Ray worker (its torch threads).")]
-WorkerGpusOpt = Annotated[Optional[float], typer.Option("--worker-gpus", help="GPUs per Ray worker.")]
 
 
-def overrides(**kw) -> dict:
-    keys = {"model": "model", "device": "device", "dtype": "dtype", "gemm": "gemm", "quant": "quant", "cache": "cache.kind", "attention": "cache.attention",
-            "block_size": "cache.block_size", "num_blocks": "cache.num_blocks", "kv_memory": "cache.kv_memory",
-            "max_model_len": "cache.max_model_len", "max_num_seqs": "scheduler.max_num_seqs",
-            "max_prefill_tokens": "scheduler.max_prefill_tokens", "max_new_tokens": "sampling.max_new_tokens",
-            "temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
-            "min_p": "sampling.min_p", "repetition_penalty": "sampling.repetition_penalty",
-            "seed": "sampling.seed", "ignore_eos": "sampling.ignore_eos", "prefix_cache": "cache.prefix_caching",
-            "workers": "parallel.workers", "ray_address": "parallel.ray_address",
-            "worker_cpus": "parallel.worker_cpus", "worker_gpus": "parallel.worker_gpus",
-            "n": "sampling.n", "logprobs": "sampling.logprobs", "prompt_logprobs": "sampling.prompt_logprobs"}
-    return {keys[k]: v for k, v in kw.items() if k in keys and v is not None}
+class Opts(dict):
+    """A command's shared option values, by name (``opts["quiet"]`` or ``opts.quiet``)."""
+
+    __getattr__ = dict.__getitem__
+
+    def config(self, command_defaults: dict | None = None, **more):
+        """The run's Config: the --config file, then every shared flag given (and ``more``)."""
+        from .config import flat_overrides, load_config
+        settings = {k: v for k, v in self.items() if k not in NOT_SETTINGS} | more
+        return load_config(self.get("config"), flat_overrides(settings), command_defaults=command_defaults)
+
+
+def shared(*names: str):
+    """Add the named shared options (or GROUPS) to a command; it receives them as ``opts``."""
+    picked = [n for name in names for n in GROUPS.get(name, (name,))]
+
+    def deco(fn):
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "opts"]
+        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=SHARED[n][1], annotation=SHARED[n][0])
+                 for n in picked]
+
+        @functools.wraps(fn)
+        def command(**kw):
+            opts = Opts({n: kw.pop(n) for n in picked})
+            return fn(**kw, opts=opts)
+
+        params = own + extra
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+    return deco
 
 
 # ---- generate ------------------------------------------------------------------------------
 
 @app.command()
+@shared("MODEL", "CACHE", "SCHEDULER", "SAMPLING", "CLUSTER", "RUN")
 def generate(
     prompts: Annotated[str, typer.Option("--prompts", "-p", help="Prompts: .txt (one per line), .jsonl, or - for stdin.")],
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="JSONL results file (default stdout).")] = None,
     resume: Annotated[bool, typer.Option(help="Skip ids already in --output and append the rest.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 1 if any request failed.")] = False,
-    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, quant: QuantOpt = None, cache: CacheOpt = None, attention: AttnOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
-    kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None,
-    max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
-    top_p: TopPOpt = None, top_k: TopKOpt = None, min_p: MinPOpt = None, repetition_penalty: RepOpt = None,
-    seed: SeedOpt = None, ignore_eos: EosOpt = None, chat: ChatOpt = True, quiet: QuietOpt = False,
-    debug: DebugOpt = False, stats_json: StatsOpt = None, prefix_cache: PrefixOpt = None,
-    workers: WorkersOpt = None, ray_address: RayAddressOpt = None, worker_cpus: WorkerCpusOpt = None,
-    worker_gpus: WorkerGpusOpt = None,
-    n: NOpt = None, logprobs: LogprobsOpt = None, prompt_logprobs: PromptLogprobsOpt = None,
+    chat: ChatOpt = True, opts: Opts = None,
 ):
     """Generate completions for a file of prompts; results in input order as JSONL."""
-    from .cluster import check_available
-    from .commands import run_generate
-    from .config import load_config
-    ov = overrides(**locals())
-    cfg = load_config(config, ov)
-    check_available(cfg)
+    from .commands.generate import run_generate
+    cfg = opts.config()
     if resume and output in (None, "-"):
         raise UsageError("--resume needs --output FILE (it appends to that file)")
-    code = run_generate(cfg, prompts, output, resume, strict, chat, quiet, stats_json)
-    raise typer.Exit(code)
+    raise typer.Exit(run_generate(cfg, prompts=prompts, output=output, resume=resume, strict=strict, chat=chat,
+                                  quiet=opts.quiet, stats_json=opts.stats_json))
 
 
 # ---- serve-batch ---------------------------------------------------------------------------
 
 @app.command("serve-batch")
+@shared("MODEL", "CACHE", "SCHEDULER", "SAMPLING", "CLUSTER", "RUN")
 def serve_batch(
     input: Annotated[str, typer.Option("--input", "-i", help="OpenAI Batch API JSONL, or - for stdin.")] = "-",
     output: Annotated[str, typer.Option("--output", "-o", help="Results JSONL, or - for stdout.")] = "-",
     request_rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals per second (default: as fast as read).")] = None,
     max_inflight: Annotated[Optional[int], typer.Option(help="Most requests inside the engine at once.")] = None,
-    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, quant: QuantOpt = None, cache: CacheOpt = None, attention: AttnOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None,
-    kv_memory: KvMemOpt = None, max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None,
-    max_prefill_tokens: PrefillOpt = None, max_new_tokens: NewOpt = None, temperature: TempOpt = None,
-    top_p: TopPOpt = None, top_k: TopKOpt = None, seed: SeedOpt = None, ignore_eos: EosOpt = None,
-    quiet: QuietOpt = False, debug: DebugOpt = False, stats_json: StatsOpt = None, prefix_cache: PrefixOpt = None,
-    workers: WorkersOpt = None, ray_address: RayAddressOpt = None, worker_cpus: WorkerCpusOpt = None,
-    worker_gpus: WorkerGpusOpt = None,
-    n: NOpt = None, logprobs: LogprobsOpt = None, prompt_logprobs: PromptLogprobsOpt = None,
+    strict: Annotated[bool, typer.Option(help="Exit 1 if any line was answered with an error.")] = False,
+    opts: Opts = None,
 ):
     """Serve OpenAI Batch API requests as a stream; results in completion order."""
-    from .cluster import check_available
-    from .config import load_config
-    from .serve import run_serve
-    cfg = load_config(config, overrides(**locals()))
-    check_available(cfg)
+    from .commands.serve_batch import run_serve
+    cfg = opts.config()
     if request_rate is not None and request_rate <= 0:
         raise UsageError("--request-rate must be a positive number of requests per second")
     if max_inflight is not None and max_inflight <= 0:
         raise UsageError("--max-inflight must be a positive integer")
-    raise typer.Exit(run_serve(cfg, input, output, request_rate, max_inflight, quiet, stats_json))
+    raise typer.Exit(run_serve(cfg, input=input, output=output, request_rate=request_rate, max_inflight=max_inflight,
+                               quiet=opts.quiet, stats_json=opts.stats_json, strict=strict))
 
 
 # ---- bench ---------------------------------------------------------------------------------
 
 @app.command()
+@shared("MODEL", "num_blocks", "kv_memory", "max_model_len", "SCHEDULER", "ray_address", "worker_cpus",
+        "worker_gpus", "quiet", "debug", "plot")
 def bench(
     block_sizes: Annotated[Optional[str], typer.Option("--block-size", help="Comma list, e.g. 8,16,32.")] = None,
     caches: Annotated[str, typer.Option("--cache", help="Comma list of cache kinds: paged,slot.")] = "paged,slot",
@@ -185,37 +201,30 @@ def bench(
     repeat: Annotated[int, typer.Option(help="Runs per row (round robin); rows report the median run.")] = 1,
     profile: Annotated[bool, typer.Option("--profile", help="Rerun the first row under torch.profiler; show where the time goes.")] = False,
     n_values: Annotated[Optional[str], typer.Option("--n", help="Comma list of completions per prompt, e.g. 1,4: one row each.")] = None,
-    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, quant: QuantOpt = None, attention: AttnOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
-    max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None, max_prefill_tokens: PrefillOpt = None, chat: ChatOpt = False,
-    quiet: QuietOpt = False, debug: DebugOpt = False, plot: PlotOpt = None,
     workers: Annotated[Optional[str], typer.Option("--workers", help="Comma list of Ray worker counts, e.g. 1,2 "
                                                    "(1 = in-process); rows report scaling.")] = None,
-    ray_address: RayAddressOpt = None, worker_cpus: WorkerCpusOpt = None, worker_gpus: WorkerGpusOpt = None,
+    chat: Annotated[bool, typer.Option("--chat/--raw", help="Wrap a --prompts file's plain prompts in the chat template.")] = False,
+    opts: Opts = None,
 ):
     """Run one seeded workload per cache kind x block size at equal KV memory; one row each."""
-    from .bench import BenchSpec, run_bench
-    from .cluster import check_available, worker_counts
-    from .config import load_config
+    from .commands.bench import BenchSpec, run_bench
     from .plot import prepare
-    prepare(plot)
-    counts = worker_counts(workers)
-    cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, quant=quant, num_blocks=num_blocks,
-                                         attention=attention, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
-                                         max_model_len=max_model_len, max_prefill_tokens=max_prefill_tokens,
-                                         workers=max(counts), ray_address=ray_address, worker_cpus=worker_cpus,
-                                         worker_gpus=worker_gpus))
-    check_available(cfg)
+    prepare(opts.plot)
+    cfg = opts.config()
     spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
                            bench_seed, warmup, chat, cfg, prefix_len, num_prefixes, prefix_modes, baseline, roofline,
-                           profile, repeat, n_values)
-    spec.workers = counts
-    raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, quiet, plot))
+                           profile, repeat, n_values, workers)
+    if max(spec.workers) > 1:
+        from .cluster import require_ray
+        require_ray()  # before anything loads
+    raise typer.Exit(run_bench(cfg, spec, json_out, csv_out, opts.quiet, opts.plot))
 
 
 # ---- inspect-blocks ------------------------------------------------------------------------
 
 @app.command("inspect-blocks")
+@shared("MODEL", "block_size", "num_blocks", "kv_memory", "max_model_len", "prefix_cache", "SCHEDULER", "n",
+        "CLUSTER", "RUN", "plot")
 def inspect_blocks(
     prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompts file (else random prompts).")] = None,
     num_prompts: Annotated[int, typer.Option(help="Random-token prompts.")] = 12,
@@ -224,40 +233,33 @@ def inspect_blocks(
     range_ratio: Annotated[float, typer.Option(help="Prompt lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
     at: Annotated[str, typer.Option(help="Snapshot moment: peak, end, or a step number.")] = "peak",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write snapshot + timeline as JSON.")] = None,
-    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-    gemm: GemmOpt = None, quant: QuantOpt = None, block_size: BlockOpt = None, num_blocks: NumBlocksOpt = None, kv_memory: KvMemOpt = None,
-    max_num_seqs: SeqsOpt = None, max_model_len: LenOpt = None, chat: ChatOpt = False,
-    quiet: QuietOpt = False, debug: DebugOpt = False, prefix_cache: PrefixOpt = None,
-    max_prefill_tokens: PrefillOpt = None, stats_json: StatsOpt = None, plot: PlotOpt = None, n: NOpt = None,
+    chat: Annotated[bool, typer.Option("--chat/--raw", help="Wrap a --prompts file's plain prompts in the chat template.")] = False,
+    opts: Opts = None,
 ):
     """Show the paged cache's block map, block tables, free list and timeline."""
-    from .config import load_config
-    from .inspect_blocks import run_inspect
+    from .commands.inspect_blocks import run_inspect
     from .plot import prepare
-    prepare(plot)
-    cfg = load_config(config, overrides(model=model, device=device, dtype=dtype, gemm=gemm, quant=quant, block_size=block_size,
-                                         num_blocks=num_blocks, kv_memory=kv_memory, max_num_seqs=max_num_seqs,
-                                         max_model_len=max_model_len, cache="paged", ignore_eos=True,
-                                         max_new_tokens=output_len, prefix_cache=prefix_cache,
-                                         max_prefill_tokens=max_prefill_tokens, n=n),
-                      # a pool small enough to read as a map (and to see preemption), unless sized by the user
-                      command_defaults={"cache.num_blocks": 64})
-    raise typer.Exit(run_inspect(cfg, prompts, num_prompts, input_len, output_len, range_ratio, at,
-                                 json_out, chat, quiet, stats_json, plot, cfg.sampling.n))
+    prepare(opts.plot)
+    # A pool small enough to read as a map (and to see preemption), unless sized by the user.
+    cfg = opts.config(command_defaults={"cache.num_blocks": 64}, cache="paged", ignore_eos=True,
+                      max_new_tokens=output_len)
+    raise typer.Exit(run_inspect(cfg, prompts=prompts, num_prompts=num_prompts, input_len=input_len,
+                                 output_len=output_len, range_ratio=range_ratio, at=at, json_out=json_out, chat=chat,
+                                 quiet=opts.quiet, stats_json=opts.stats_json, plot=opts.plot, n=cfg.sampling.n))
 
 
 # ---- plot ----------------------------------------------------------------------------------
 
 @app.command("plot")
+@shared("debug")
 def plot_command(
     stats: Annotated[Path, typer.Argument(help="A saved JSON: bench --json, inspect-blocks --json or a --stats-json run.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="FILE.png or FILE.svg.")],
-    debug: DebugOpt = False,
+    opts: Opts = None,
 ):
     """Draw a saved bench, inspect-blocks or run JSON again, without rerunning anything."""
-    from .plot import plot_saved
-    kind = plot_saved(stats, output)
-    print(f"drew {kind} stats from {stats} into {output}", file=sys.stderr)
+    from .commands.plot import run_plot
+    raise typer.Exit(run_plot(stats, output))
 
 
 # ---- entry point ---------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Data parallelism on a Ray cluster: N engine workers behind the engine's own contract.
 
-Scale-out sits above the engine. ``ClusterEngine`` offers what the commands use of ``LLMEngine``
-(``add_request`` / ``step`` / ``has_unfinished`` / ``run`` / ``stats``), so ``generate``'s
-ordered writer, ``--resume`` and ``serve-batch``'s completion-order stream stay on the driver,
-unchanged. Each worker is a Ray actor (``EngineWorker``) that owns one ``LLMEngine`` (model, KV
-pool, scheduler) in its own process, possibly on another machine.
+Scale-out sits above the engine. ``ClusterEngine`` implements the engine contract
+(``engine/contract.py``) that ``LLMEngine`` implements, so ``LLM`` and every command drive it
+unchanged: ``generate``'s ordered writer, ``--resume`` and ``serve-batch``'s completion-order
+stream stay on the driver. Each worker is a Ray actor (``EngineWorker``) that owns one
+``LLMEngine`` (model, KV pool, scheduler) in its own process, possibly on another machine.
 
 Invariants:
 - Pull-based dispatch: the driver holds every request until a worker has room; a worker has at
@@ -15,8 +15,9 @@ Invariants:
   accepted once (its key leaves ``inflight`` when it arrives), so none is lost or doubled.
 - The model reaches workers through the object store (one ``ray.put`` of the checkpoint's
   config, weights and tokenizer): a worker never opens the checkpoint path.
-- A request without a seed gets the seed the in-process engine would have drawn (same
-  generator, same order), so outputs do not depend on which worker ran them.
+- A request's seed is fixed on the driver by ``request_seed`` (the run's seed and the request's
+  id) before it is sent, as the in-process engine fixes it: outputs do not depend on which worker
+  ran them, or in which order.
 - The local instance we start listens on loopback only (Ray's single-machine mode), with token
   authentication on and no dashboard or job API.
 """
@@ -26,27 +27,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
 import signal
 import socket
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .config import Config
-from .engine.request import Request, RequestOutput
+from .engine.contract import Engine
+from .engine.request import Request, RequestOutput, request_seed
 from .engine.stats import RunStats
 from .errors import TinyLLMError, UsageError
+from .runtime import Placement, Runtime, make_engine, runtime_from_checkpoint
 
 INSTALL = 'pip install "tinyllm[ray]"'
 REPLY_S = 0.1  # longest a worker computes before replying, so new requests reach it soon
 START_TIMEOUT_S = 300.0  # workers must be up (model built) within this
 POLL_S = 0.2  # ray.wait slices: signals (Ctrl-C) are handled between them
-
-
-def wants_cluster(cfg: Config) -> bool:
-    return cfg.parallel.workers > 1 or cfg.parallel.ray_address is not None
 
 
 def import_ray():
@@ -74,15 +71,9 @@ class EngineWorker:
 
     def __init__(self, ck, cfg: Config, threads: int):
         import torch
-
-        from .runtime import check_quant, make_engine, resolve_device, resolve_dtype, runtime_from_checkpoint
-        from .model.gemm import resolve_gemm
         torch.set_num_threads(threads)  # this worker's CPUs, so workers do not oversubscribe cores
         t0 = time.perf_counter()
-        device = resolve_device(cfg.device)  # this worker's own: the driver may have no GPU
-        dtype = resolve_dtype(cfg.dtype, device, cfg.quant)
-        check_quant(cfg.quant, dtype, device)
-        self.rt = runtime_from_checkpoint(ck, device, dtype, resolve_gemm(cfg.gemm, dtype, device), t0)
+        self.rt = runtime_from_checkpoint(ck, Placement.resolve(cfg), t0)  # this worker's own device
         self.cfg = cfg
         self.engine = make_engine(cfg, self.rt)
 
@@ -94,9 +85,17 @@ class EngineWorker:
 
     def reset(self, cfg: Config) -> None:
         """A fresh engine (new KV pool, empty scheduler) for another run on the same model."""
-        from .runtime import make_engine
         self.cfg = cfg
         self.engine = make_engine(cfg, self.rt)
+
+    def reset_stats(self) -> None:
+        self.engine.reset_stats()
+
+    def add_observer(self, observer) -> None:
+        self.engine.add_observer(observer)
+
+    def observed(self) -> list:
+        return self.engine.observed()
 
     def advance(self, new: list[Request], budget_s: float) -> list[RequestOutput]:
         """Queue ``new``, then step until something finishes or ``budget_s`` has passed."""
@@ -245,8 +244,14 @@ class WorkerPool:
                                    f"{START_TIMEOUT_S:.0f} s")
 
     def reset(self, cfg: Config) -> None:
-        ray = self.conn.ray
-        ray.get([s.handle.reset.remote(cfg) for s in self.slots if s.alive])
+        """Fresh engines (new KV pools) with ``cfg`` on every live worker."""
+        self.cfg = cfg
+        self.conn.ray.get([s.handle.reset.remote(cfg) for s in self.slots if s.alive])
+        self.new_run()
+
+    def new_run(self) -> None:
+        """Zero the per-worker figures, here and in each worker's engine stats."""
+        self.conn.ray.get([s.handle.reset_stats.remote() for s in self.slots if s.alive])
         for s in self.slots:
             s.inflight.clear()
             s.call = None
@@ -269,28 +274,24 @@ def _first_line(e: BaseException) -> str:
 
 # ---- the engine the commands drive --------------------------------------------------------------
 
-class ClusterEngine:
-    """``LLMEngine``'s surface over a ``WorkerPool``: requests in, finished outputs out."""
+class ClusterEngine(Engine):
+    """The engine contract over a ``WorkerPool``: requests in, finished outputs out."""
 
-    def __init__(self, pool: WorkerPool, per_worker: int, seed: int = 0):
-        self.pool, self.ray = pool, pool.conn.ray
-        self.per_worker = per_worker
+    def __init__(self, pool: WorkerPool, cfg: Config):
+        self.pool, self.ray, self.cfg = pool, pool.conn.ray, cfg
+        self.per_worker = cfg.scheduler.max_num_seqs
+        self.seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0  # as ``make_engine``'s
         self.pending: deque[tuple[int, Request]] = deque()  # (key, request) not yet sent
         self.requests: dict[int, Request] = {}  # key -> the caller's request, until its output arrives
         self._key = 0
-        self._rng = random.Random(seed)  # the in-process engine's seed stream, drawn in the same order
         self.retried = 0
-        cfg = pool.cfg
-        self.stats = ClusterStats(cfg.cache.kind, cfg.cache.block_size, 0, 0, cfg.scheduler.max_num_seqs, pool=pool)
+        self.reset_stats()
 
     # ---- requests in ------------------------------------------------------------------------
 
     def add_request(self, req: Request) -> RequestOutput | None:
-        if req.params.seed is None:
-            seed = self._rng.getrandbits(63)
-            req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seed))
-        else:
-            self._rng.getrandbits(63)  # the in-process engine draws for every request
+        seed = request_seed(self.seed, req)  # fixed here, so the worker's engine uses it as given
+        req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seed))
         self._key += 1
         self.requests[self._key] = req
         self.pending.append((self._key, req))
@@ -299,24 +300,23 @@ class ClusterEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def run(self, requests: Iterable[Request], max_pending: int | None = None) -> Iterator[RequestOutput]:
-        """As ``LLMEngine.run``: feed lazily (at most ``max_pending`` held) and yield as they finish."""
-        limit = max_pending or self.per_worker * len(self.pool.slots) * 2
-        it = iter(requests)
-        exhausted = False
-        while True:
-            while not exhausted and len(self.pending) < limit:
-                req = next(it, None)
-                if req is None:
-                    exhausted = True
-                    break
-                self.add_request(req)
-            if not self.has_unfinished():
-                if exhausted:
-                    break
-                continue
-            yield from self.step()
-        self.stats.end = time.perf_counter()
+    def num_waiting(self) -> int:
+        return len(self.pending)
+
+    def default_pending(self) -> int:
+        return self.per_worker * len(self.pool.slots) * 2
+
+    def add_observer(self, observer) -> None:
+        self.ray.get([s.handle.add_observer.remote(observer) for s in self.pool.slots if s.alive])
+
+    def observed(self) -> list:
+        got = self.ray.get([s.handle.observed.remote() for s in self.pool.slots if s.alive])
+        return [o for per_worker in got for o in per_worker]
+
+    def reset_stats(self) -> None:
+        c = self.cfg
+        self.pool.new_run()
+        self.stats = ClusterStats(c.cache.kind, c.cache.block_size, 0, 0, c.scheduler.max_num_seqs, pool=self.pool)
 
     # ---- one round: top up every worker, wait for a reply ----------------------------------------
 
@@ -367,7 +367,7 @@ class ClusterEngine:
                 continue  # not ours any more: never accept an output twice
             out.id = req.id
             s.requests += 1
-            s.failed += out.finish_reason == "error" and not out.num_output_tokens
+            s.failed += out.finish_reason == "error"
             s.prompt_tokens += len(out.prompt_token_ids) if out.num_output_tokens else 0
             s.output_tokens += out.num_output_tokens  # every completion of an n > 1 request
             self.stats.record_request(out)
@@ -389,8 +389,6 @@ class ClusterEngine:
         dead = [f"worker {s.index} ({s.error})" for s in self.pool.slots if not s.alive]
         return "; ".join(dead)[:400]
 
-    def close(self) -> None:
-        self.pool.close()
 
 
 @dataclass
@@ -462,34 +460,13 @@ def worker_row(s: WorkerSlot, elapsed: float) -> dict:
             "status": "ok" if s.alive else "died", "error": s.error, "retried_elsewhere": s.handed_back}
 
 
-# ---- what the commands call -----------------------------------------------------------------------
+# ---- opening a pool ---------------------------------------------------------------------------
 
-@dataclass
-class DriverModel:
-    """What the driver knows of the model without building it: its config and matmul path."""
-    cfg: object
-    gemm: str
+def wants_cluster(cfg: Config) -> bool:
+    return cfg.parallel.workers > 1 or cfg.parallel.ray_address is not None
 
 
-@dataclass
-class DriverRuntime:
-    """``Runtime``'s read-only surface on the driver (tokenizer, names, facts) for the commands."""
-    model: DriverModel
-    tokenizer: object
-    model_name: str
-    device: str
-    dtype: str
-    load_s: float
-
-    def facts(self) -> dict:
-        return {"model": self.model_name, "load_s": round(self.load_s, 3), "dtype": self.dtype,
-                "gemm": self.model.gemm, "device": self.device}
-
-    def describe(self) -> str:
-        return f"{self.model_name} · {self.dtype} · gemm {self.model.gemm} · {self.device}"
-
-
-def start_pool(cfg: Config, quiet: bool) -> tuple[DriverRuntime, WorkerPool]:
+def start_pool(cfg: Config, quiet: bool) -> tuple[Runtime, WorkerPool]:
     """Connect, read the checkpoint once, start the workers; the caller closes the pool."""
     from .model.checkpoint import load_checkpoint
     par = cfg.parallel
@@ -502,96 +479,4 @@ def start_pool(cfg: Config, quiet: bool) -> tuple[DriverRuntime, WorkerPool]:
     except BaseException:
         conn.ray.shutdown()
         raise
-    info = pool.slots[0].info
-    rt = DriverRuntime(DriverModel(ck.config, info["gemm"]), ck.tokenizer, ck.name,
-                       f"{info['device']} x {par.workers} Ray workers", info["dtype"], time.perf_counter() - t0)
-    return rt, pool
-
-
-def open_cluster(cfg: Config, quiet: bool, seed: int = 0) -> tuple[DriverRuntime, "ClusterEngine"]:
-    """The commands' engine when ``parallel.workers`` > 1 or a Ray address is given (see
-    ``wants_cluster``); the caller calls ``engine.close()`` after reading its stats."""
-    rt, pool = start_pool(cfg, quiet)
-    return rt, ClusterEngine(pool, per_worker=cfg.scheduler.max_num_seqs, seed=seed)
-
-
-def worker_counts(text: str | None) -> list[int]:
-    """bench's ``--workers 1,2``: positive worker counts, in the order given."""
-    if text is None:
-        return [1]
-    try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        counts = []
-    if not counts or any(n < 1 for n in counts):
-        raise UsageError(f"--workers takes a comma list of positive worker counts, e.g. 1,2, not {text!r}")
-    return counts
-
-
-def check_available(cfg: Config) -> None:
-    """Called right after the config is read: a missing Ray is a usage error before anything runs."""
-    if wants_cluster(cfg):
-        require_ray()
-
-
-# ---- bench --workers 1,2 ------------------------------------------------------------------------
-
-def parallel_bench_rows(spec, cfg: Config, rt, budget: int, workload, quiet: bool) -> tuple[list[dict], list]:
-    """bench's rows once per worker count: 1 (without --ray-address) is the in-process engine,
-    N > 1 a pool of N Ray workers; each row gets ``workers`` and ``scaling`` (its total tok/s
-    over the same configuration's 1-worker row)."""
-    from .bench import timed_rows
-    rows, first_tokens = [], []
-    for w in spec.workers:
-        if w == 1 and cfg.parallel.ray_address is None:
-            got, first_tokens = timed_rows(spec, cfg, rt, budget, workload, quiet)
-            got = [r | {"workers": 1, "worker_threads": _threads()} for r in got]
-        else:
-            wcfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, workers=w))
-            got = _cluster_rows(spec, wcfg, rt, budget, workload, quiet)
-        rows += got
-    base = {(r["cache_kind"], r["block_size"], r["prefix_caching"]): r for r in rows if r["workers"] == 1}
-    for r in rows:
-        b = base.get((r["cache_kind"], r["block_size"], r["prefix_caching"]))
-        r["scaling"] = round(r["total_tokens_per_s"] / b["total_tokens_per_s"], 3) if b else None
-    return rows, first_tokens
-
-
-def _threads() -> int:
-    import torch
-    return torch.get_num_threads()
-
-
-def _cluster_rows(spec, cfg: Config, rt, budget: int, workload, quiet: bool) -> list[dict]:
-    from .bench import requests_for
-    _, pool = start_pool(cfg, quiet)
-    try:
-        def one(kind, bs, pc, prompts, output_len):
-            c = dataclasses.replace(cfg.cache, kind=kind, block_size=bs or cfg.cache.block_size, num_blocks=None,
-                                    kv_memory=str(budget), prefix_caching=pc)
-            pool.reset(dataclasses.replace(cfg, cache=c))
-            engine = ClusterEngine(pool, per_worker=cfg.scheduler.max_num_seqs)
-            outs = list(engine.run(requests_for(prompts, output_len)))
-            bad = [o for o in outs if o.finish_reason == "error"]
-            if bad:
-                raise TinyLLMError(f"bench request {bad[0].id} failed on the {kind} cache: {bad[0].error}")
-            return engine.stats.summary()
-
-        if spec.warmup:  # every worker's first-call costs, off the clock
-            one("paged", spec.block_sizes[0], True, workload[:2 * len(pool.slots)], 4)
-        combos = spec.combos()
-        runs: list[list[dict]] = [[] for _ in combos]
-        for _ in range(spec.repeat):
-            for i, (kind, bs, pc) in enumerate(combos):
-                runs[i].append(one(kind, bs, pc, workload, spec.output_len))
-    finally:
-        pool.close()
-    rows = []
-    for done in runs:
-        median = sorted(done, key=lambda d: d["elapsed_s"])[(len(done) - 1) // 2]
-        rows.append(median | rt.facts() | {
-            "num_prompts": len(workload), "output_len": spec.output_len,
-            "mean_input_len": round(sum(map(len, workload)) / len(workload), 1), "repeats": spec.repeat,
-            "elapsed_s_runs": [d["elapsed_s"] for d in done], "workers": cfg.parallel.workers,
-            "worker_threads": pool.slots[0].info.get("threads"), "device": pool.slots[0].info.get("device")})
-    return rows
+    return Runtime.of_workers(ck, pool.slots[0].info, par.workers, time.perf_counter() - t0), pool

@@ -60,6 +60,12 @@ class SamplingConfig(SamplingParams):
         values = dataclasses.asdict(self) | override
         return SamplingParams(**values)
 
+    def request_defaults(self) -> SamplingParams:
+        """What a request starts from. ``seed`` here is the run's seed, not a request's: each
+        request derives its own from it and its id (``engine.request.request_seed``), so two
+        equal prompts under one run seed still draw different samples."""
+        return self.params(seed=None)
+
 
 @dataclass
 class Config:
@@ -299,6 +305,33 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         name = next((f.name for f in dataclasses.fields(SamplingConfig) if str(e).startswith(f.name)), None)
         dotted = f"sampling.{name}" if name else "sampling"
         raise UsageError(f"config key {dotted!r}{at(dotted, '')}: {e}")
+
+
+# Flat names (command-line flags, ``LLM(...)`` keywords) -> dotted keys: every key by its own
+# name, plus the two whose flag is named differently.
+FLAT_ALIASES = {"cache": "cache.kind", "prefix_cache": "cache.prefix_caching"}
+
+
+def flat_keys() -> dict[str, str]:
+    keys = {f.name: f.name for f in dataclasses.fields(Config) if f.name not in SECTIONS}
+    for section, cls in SECTIONS.items():
+        keys |= {f.name: f"{section}.{f.name}" for f in dataclasses.fields(cls)}
+    return keys | FLAT_ALIASES
+
+
+def flat_overrides(values: dict) -> dict[str, object]:
+    """``{"block_size": 32, "kv_memory": "1GiB"}`` -> ``{"cache.block_size": 32, ...}``; None
+    values are not set. An unknown name is a ``UsageError`` naming the closest valid one."""
+    keys = flat_keys()
+    out = {}
+    for name, value in values.items():
+        if name not in keys:
+            close = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)
+            raise UsageError(f"unknown setting {name!r}" + (f"; did you mean {close[0]!r}?" if close else
+                                                            f"; settings: {', '.join(sorted(keys))}"))
+        if value is not None:
+            out[keys[name]] = value
+    return out
 
 
 def load_config(path: str | Path | None, overrides: dict | None = None,

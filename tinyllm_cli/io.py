@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from .config import SamplingConfig
 from .engine.request import Request, SamplingParams
 from .errors import TinyLLMError, UsageError, shield
 from .model.tokenizer import Tokenizer
@@ -132,10 +131,13 @@ def record_id(index: int, rec) -> object:
 
 
 class RequestBuilder:
-    """Turns records into Requests: chat template, tokenization, per-request sampling."""
+    """Turns records into Requests: chat template, tokenization, per-request sampling.
 
-    def __init__(self, tokenizer: Tokenizer | None, chat: bool, sampling: SamplingConfig):
-        self.tok, self.chat, self.sampling = tokenizer, chat, sampling
+    A record is a text line (str) or a JSONL object; its own sampling fields override
+    ``defaults`` (``SamplingConfig.request_defaults()`` for the commands)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, chat: bool, defaults: SamplingParams):
+        self.tok, self.chat, self.defaults = tokenizer, chat, defaults
 
     def build(self, index: int, lineno: int, rec, rid) -> Request:
         try:
@@ -150,7 +152,7 @@ class RequestBuilder:
 
     def _build(self, index, lineno, rid, rec) -> Request:
         if isinstance(rec, str):
-            return Request(rid, self.encode_prompt(rec), self.sampling.params(), rec, index)
+            return Request(rid, self.encode_prompt(rec), self.params({}), rec, index)
         if "__error__" in rec:
             raise ValueError(rec["__error__"])
         unknown = set(rec) - REQUEST_KEYS - SAMPLING_KEYS - set(ALIASES)
@@ -179,8 +181,7 @@ class RequestBuilder:
 
     def params(self, rec: dict) -> SamplingParams:
         over = {ALIASES.get(k, k): v for k, v in rec.items() if k in SAMPLING_KEYS or k in ALIASES}
-        base = {k: v for k, v in vars(self.sampling).items()}
-        return SamplingParams(**(base | over))
+        return SamplingParams(**(vars(self.defaults) | over))
 
     def encode_prompt(self, text: str) -> list[int]:
         _check_text(text, "'prompt'")
@@ -332,32 +333,59 @@ class Resume:
         return line
 
 
-def open_output(path: str | None, resume: bool, prompts: str | None = None) -> tuple[ResultFile, Resume]:
-    """Open the results file; with ``resume``, repair a torn tail and find what is done."""
+@dataclass
+class OutputPlan:
+    """Where results go and what is done already; made before anything loads, and acted on
+    (``open_output``) only once the job can run, so a failed start leaves the file as it was."""
+
+    path: str | None  # None: stdout
+    resume: bool = False
+    done: Resume = field(default_factory=Resume)
+    keep_bytes: int | None = None  # --resume: cut the file here (after the in-order results)
+
+
+def plan_output(path: str | None, resume: bool, inputs: tuple[str, ...] = (), prompts: str | None = None) -> OutputPlan:
+    """Check the results path (not a directory, not one of ``inputs``) and, with ``resume``,
+    read what is done. Writes nothing."""
     if path in (None, "-"):
-        return ResultFile(sys.stdout, "stdout"), Resume()
+        return OutputPlan(None)
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"output path {path!r} is a directory")
+    for name in inputs:
+        if name != "-" and p.exists() and Path(name).exists() and p.samefile(name):
+            raise UsageError(f"the output file {path!r} is also an input of this run; writing it would destroy "
+                             f"its contents (choose another --output)")
     if resume and prompts == "-":
         raise UsageError("--resume needs --prompts FILE: it reads the prompts again to match them with "
                          "the results, and stdin cannot be read twice")
-    plan = Resume()
-    if resume and p.is_file():
-        if prompts is None:
-            raise UsageError("--resume needs the prompts file the results came from")
-        plan = _plan_resume(p, prompts)
+    if not (resume and p.is_file()):
+        return OutputPlan(path, resume)
+    if prompts is None:
+        raise UsageError("--resume needs the prompts file the results came from")
+    done, keep = _plan_resume(p, prompts)
+    return OutputPlan(path, resume, done, keep)
+
+
+def open_output(plan: OutputPlan) -> ResultFile:
+    """Open the results stream the plan describes (a fresh file is truncated only now)."""
+    if plan.path is None:
+        return ResultFile(sys.stdout, "stdout")
     try:
-        fh = open(p, "ab" if resume else "wb", buffering=0)
+        if plan.keep_bytes is not None:
+            with open(plan.path, "r+b") as f:
+                f.truncate(plan.keep_bytes)  # a torn or out-of-order tail (kept in the plan)
+        fh = open(plan.path, "ab" if plan.resume else "wb", buffering=0)
     except OSError as e:
-        raise TinyLLMError(f"cannot open output file {path!r} for writing: {e.strerror}")
-    return ResultFile(fh, path), plan
+        raise TinyLLMError(f"cannot open output file {plan.path!r} for writing: {e.strerror}")
+    return ResultFile(fh, plan.path)
 
 
-def _plan_resume(p: Path, prompts: str) -> Resume:
+def _plan_resume(p: Path, prompts: str) -> tuple[Resume, int | None]:
     """Walk the results and the prompts side by side: the leading results that match the
     prompts one for one are done in place; the ones after them (an interrupt's out-of-order
-    results) are held to be put back in their place. Then cut the file after the in-order part."""
+    results) are held to be put back in their place. Returns the plan and where to cut the file
+    (after the in-order part; None when nothing follows it)."""
     keys = (id_key(record_id(n, rec)) for n, (_, rec) in enumerate(read_records(prompts)))
     plan, in_order, prefix_end, pos, lineno = Resume(), True, 0, 0, 0
     size = p.stat().st_size
@@ -397,10 +425,7 @@ def _plan_resume(p: Path, prompts: str) -> Resume:
         if missing:
             raise UsageError(f"cannot resume: {str(p)!r} has results for ids that are not in {prompts!r} "
                              f"(e.g. {sorted(missing)[0]}); was it written for another prompts file?")
-    if prefix_end < size:
-        with p.open("r+b") as f:
-            f.truncate(prefix_end)
-    return plan
+    return plan, (prefix_end if prefix_end < size else None)
 
 
 def id_key(rid) -> str:

@@ -1,5 +1,10 @@
 """From a validated Config to live objects: device, dtype, model, tokenizer, cache, engine.
 
+One ``Runtime`` describes what runs, wherever it runs: in this process it holds the model; on a
+Ray cluster's driver it holds what the driver needs (the model's config, the tokenizer, the
+workers' facts) and the workers hold the models. Stats files, tables and bench rows read its
+``facts()`` either way, so the two paths cannot report different keys.
+
 The model is loaded once per process; caches and engines are cheap and built per run (bench
 builds one per sweep point, all at the same KV budget).
 """
@@ -17,11 +22,11 @@ from .engine.engine import LLMEngine
 from .errors import TinyLLMError, UsageError
 from .model.checkpoint import Checkpoint, load_checkpoint
 from .model.gemm import resolve_gemm
-from .model.llama import LlamaModel, build_model
+from .model.llama import LlamaModel, ModelConfig, build_model
 from .model.quant import ACT_DTYPE, int4_usable
 from .model.tokenizer import Tokenizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,7 +40,7 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device, quant: str = "none") -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" or quant != "none" else torch.float32
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 def check_quant(quant: str, dtype: torch.dtype, device: torch.device) -> None:
@@ -51,53 +56,81 @@ def check_quant(quant: str, dtype: torch.dtype, device: torch.device) -> None:
 
 
 @dataclass
+class Placement:
+    """Where and how the model computes: resolved from the config before anything loads, so a
+    bad choice fails fast (and a Ray worker resolves its own: the driver may have no GPU)."""
+    device: torch.device
+    dtype: torch.dtype
+    gemm: str
+
+    @classmethod
+    def resolve(cls, cfg: Config) -> "Placement":
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device, cfg.quant)
+        check_quant(cfg.quant, dtype, device)
+        try:
+            return cls(device, dtype, resolve_gemm(cfg.gemm, dtype, device))
+        except ValueError as e:
+            raise UsageError(str(e))
+
+
+@dataclass
 class Runtime:
-    model: LlamaModel
+    model_cfg: ModelConfig
     tokenizer: Tokenizer | None
     model_name: str
     device: torch.device
     dtype: torch.dtype
+    gemm: str
+    quant: str
+    native_kernels: bool
     load_s: float
+    model: LlamaModel | None = None  # None on a cluster's driver: the workers hold the models
+    workers: int = 1  # engines serving the run (Ray workers, or 1 in-process)
 
     def facts(self) -> dict:
-        """What ran, for stats files and bench rows."""
+        """What ran, for stats files and bench rows (the same keys in-process and on a cluster)."""
         return {"model": self.model_name, "load_s": round(self.load_s, 3),
-                "dtype": str(self.dtype).removeprefix("torch."), "gemm": self.model.gemm, "quant": self.model.quant,
-                "native_kernels": bool(getattr(self.model, "native", False)),
-                "device": str(self.device)}
+                "dtype": str(self.dtype).removeprefix("torch."), "gemm": self.gemm, "quant": self.quant,
+                "native_kernels": self.native_kernels, "device": str(self.device), "num_workers": self.workers}
 
     def describe(self) -> str:
-        """What ran, for table titles: model · dtype · matmul path · device."""
-        quant = " · int4/int8 weights" if self.model.quant != "none" else ""
-        return (f"{self.model_name} · {str(self.dtype).removeprefix('torch.')} · gemm {self.model.gemm}{quant} · "
-                f"{self.device}")
+        """What ran, for table titles: model · dtype · matmul path · device (x workers)."""
+        quant = " · int4/int8 weights" if self.quant != "none" else ""
+        where = f"{self.device} x {self.workers} Ray workers" if self.workers > 1 else str(self.device)
+        return f"{self.model_name} · {str(self.dtype).removeprefix('torch.')} · gemm {self.gemm}{quant} · {where}"
+
+    @classmethod
+    def of_model(cls, model: LlamaModel, ck: Checkpoint, device: torch.device, dtype: torch.dtype,
+                 load_s: float) -> "Runtime":
+        return cls(model.cfg, ck.tokenizer, ck.name, device, dtype, model.gemm, model.quant,
+                   bool(getattr(model, "native", False)), load_s, model=model)
+
+    @classmethod
+    def of_workers(cls, ck: Checkpoint, facts: dict, workers: int, load_s: float) -> "Runtime":
+        """The driver's view of a pool whose first worker reported ``facts`` (its own ``facts()``)."""
+        return cls(ck.config, ck.tokenizer, ck.name, torch.device(facts["device"]), DTYPES[facts["dtype"]],
+                   facts["gemm"], facts["quant"], facts["native_kernels"], load_s, workers=workers)
 
 
 def load_runtime(cfg: Config, progress: bool = True) -> Runtime:
     t0 = time.perf_counter()
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device, cfg.quant)
-    check_quant(cfg.quant, dtype, device)
-    try:
-        gemm = resolve_gemm(cfg.gemm, dtype, device)  # before the (slow) load: a bad choice fails fast
-    except ValueError as e:
-        raise UsageError(str(e))
+    where = Placement.resolve(cfg)  # before the (slow) load
     ck = load_checkpoint(cfg.model, progress, cfg.quant)
-    return runtime_from_checkpoint(ck, device, dtype, gemm, t0)
+    return runtime_from_checkpoint(ck, where, t0)
 
 
-def runtime_from_checkpoint(ck: Checkpoint, device: torch.device, dtype: torch.dtype, gemm: str,
-                            t0: float) -> Runtime:
+def runtime_from_checkpoint(ck: Checkpoint, where: Placement, t0: float) -> Runtime:
     """Build the model from a loaded checkpoint (in this process, or in a Ray worker that got the
     checkpoint through the object store)."""
     try:
-        model = build_model(ck.config, ck.weights, dtype, str(device), gemm)
+        model = build_model(ck.config, ck.weights, where.dtype, str(where.device), where.gemm)
     except ValueError as e:
         raise TinyLLMError(f"cannot build the model from {ck.source}: {e}")
-    return Runtime(model, ck.tokenizer, ck.name, device, dtype, time.perf_counter() - t0)
+    return Runtime.of_model(model, ck, where.device, where.dtype, time.perf_counter() - t0)
 
 
-def kv_budget(cfg: Config, model_cfg, dtype) -> int:
+def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of K/V both cache kinds get: num_blocks x block_size tokens when given, else kv_memory."""
     c = cfg.cache
     if c.num_blocks is not None:
@@ -106,7 +139,7 @@ def kv_budget(cfg: Config, model_cfg, dtype) -> int:
 
 
 def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
-    c, mcfg = cfg.cache, rt.model.cfg
+    c, mcfg = cfg.cache, rt.model_cfg
     max_len = min(c.max_model_len, mcfg.max_position_embeddings)
     try:
         if c.kind == "slot":
@@ -121,8 +154,11 @@ def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
         raise UsageError(str(e))
 
 
-def make_engine(cfg: Config, rt: Runtime, seed: int = 0) -> LLMEngine:
+def make_engine(cfg: Config, rt: Runtime) -> LLMEngine:
+    """A fresh in-process engine (new KV pool, empty scheduler) on ``rt``'s model; its run seed
+    is ``sampling.seed`` (0 when unset)."""
     cache = make_cache(cfg, rt)
+    seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0
     return LLMEngine(rt.model, cache, rt.tokenizer, max_num_seqs=cfg.scheduler.max_num_seqs,
                      max_prefill_tokens=cfg.scheduler.max_prefill_tokens,
                      max_model_len=cfg.cache.max_model_len,

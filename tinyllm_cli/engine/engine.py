@@ -19,9 +19,8 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +30,8 @@ from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
 from ..transfer import to_device
 from . import sampler
-from .request import Completion, Group, Request, RequestOutput, Sequence, Status, fork_seed
+from .contract import Engine
+from .request import Completion, Group, Request, RequestOutput, Sequence, Status, fork_seed, request_seed
 from .scheduler import Plan, Scheduler
 from .stats import RunStats, StepRecord
 
@@ -45,7 +45,9 @@ class Scoring:
     groups: list[tuple[Group, int]] = field(default_factory=list)  # (group, its rows), in order
 
 
-class LLMEngine:
+class LLMEngine(Engine):
+    """The in-process engine: one model, one KV pool, one scheduler (see ``contract``)."""
+
     def __init__(self, model: LlamaModel, cache: PagedKVCache, tokenizer: Tokenizer | None = None, *,
                  max_num_seqs: int = 64, max_prefill_tokens: int = 2048, max_model_len: int | None = None,
                  eos_ids: Iterable[int] | None = None, seed: int = 0):
@@ -56,10 +58,9 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, cache.max_len)
         self.eos_ids = set(eos_ids if eos_ids is not None else model.cfg.eos_token_ids)
         self.scheduler = Scheduler(cache, max_num_seqs, max_prefill_tokens)
-        self.stats = RunStats(cache.kind, cache.block_size, cache.num_blocks, cache.kv_bytes, max_num_seqs,
-                              cache=cache)
+        self.seed = seed  # the run's seed: unseeded requests derive theirs from it and their id
+        self.reset_stats()
         self._ids = itertools.count()
-        self._rng = random.Random(seed)
         self._step = 0
         self._token_text: dict[int, str | None] = {}
         self.observers: list = []
@@ -70,7 +71,7 @@ class LLMEngine:
         """Queue a request; returns an error output instead if it can never run."""
         error = req.error or self._check(req)
         p = req.params
-        seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
+        seed = request_seed(self.seed, req)
         seqs = [Sequence(next(self._ids), req, fork_seed(seed, i), list(req.prompt_token_ids),
                          len(req.prompt_token_ids), fork=i) for i in range(1 if req.error else p.n)]
         group = Group(req, seqs, prompt_logprobs=None if p.num_prompt_logprobs is None else [None])
@@ -111,28 +112,35 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- the loop ------------------------------------------------------------------------
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
-    def run(self, requests: Iterable[Request], max_pending: int | None = None) -> Iterator[RequestOutput]:
-        """Feed ``requests`` lazily (at most ``max_pending`` waiting) and yield outputs as they finish."""
-        pending = max_pending or 4 * self.scheduler.max_num_seqs
-        it = iter(requests)
-        exhausted = False
-        while True:
-            while not exhausted and len(self.scheduler.waiting) < pending:
-                req = next(it, None)
-                if req is None:
-                    exhausted = True
-                    break
-                out = self.add_request(req)
-                if out is not None:
-                    yield out
-            if not self.has_unfinished():
-                if exhausted:
-                    break
-                continue
-            yield from self.step()
-        self.stats.end = time.perf_counter()
+    def default_pending(self) -> int:
+        return 4 * self.scheduler.max_num_seqs
+
+    def reset_stats(self) -> None:
+        """A new run's figures; the pool (and the prefix cache in it) stays as it is."""
+        c = self.cache
+        self.stats = RunStats(c.kind, c.block_size, c.num_blocks, c.kv_bytes, self.scheduler.max_num_seqs, cache=c)
+
+    def add_observer(self, observer) -> None:
+        self.observers.append(observer)
+
+    def observed(self) -> list:
+        for o in self.observers:
+            o.finish(self)
+        return list(self.observers)
+
+    def running_sequences(self) -> dict[int, tuple[object, int]]:
+        """seq id -> (request id, fork) for every running sequence."""
+        return {s.seq_id: (s.request.id, s.fork) for s in self.scheduler.running}
+
+    @property
+    def step_index(self) -> int:
+        """Steps taken so far (the index the next step's record gets)."""
+        return self._step
+
+    # ---- the loop ------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
@@ -142,7 +150,7 @@ class LLMEngine:
         done = []
         for s in plan.failed:
             for f in [s] + s.pending:  # forks not started yet fail with their prompt
-                done.append(self._finish(f, "length", "the sequence outgrew the whole KV pool; it was stopped here"))
+                done.append(self._finish(f, "error", "the sequence outgrew the whole KV pool; it was stopped here"))
             s.pending = []
         done = [o for o in done if o is not None]
         t1 = time.perf_counter()
@@ -316,8 +324,9 @@ class LLMEngine:
             if len(out_ids) > 1:
                 tpot = (s.finish_time - s.first_token_time) / (len(out_ids) - 1)
         logprobs = None if s.logprobs is None else [self._logprob_json(e) for e in s.logprobs]
-        return Completion(s.fork, out_ids, text, s.finish_reason, s.stop_reason, s.seed, logprobs, ttft, tpot,
-                          s.finish_time - s.arrival if out_ids else None, s.preemptions)
+        return Completion(index=s.fork, token_ids=out_ids, text=text, finish_reason=s.finish_reason,
+                          stop_reason=s.stop_reason, seed=s.seed, logprobs=logprobs, ttft_s=ttft, tpot_s=tpot,
+                          latency_s=s.finish_time - s.arrival if out_ids else None, preemptions=s.preemptions)
 
     def _output(self, g: Group) -> RequestOutput:
         comps = [self._completion(s) for s in g.seqs]
@@ -329,11 +338,13 @@ class LLMEngine:
         prompt_lps = None
         if g.prompt_logprobs is not None:
             prompt_lps = [None if e is None else self._logprob_json(e) for e in g.prompt_logprobs]
-        out = RequestOutput(r.id, r.index, r.prompt, list(r.prompt_token_ids), c0.token_ids, c0.text,
-                            c0.finish_reason, error, c0.stop_reason, min(ttfts, default=None),
-                            sum(tpots) / len(tpots) if tpots else None, max(lats, default=None),
-                            sum(c.preemptions for c in comps), c0.seed, r.metadata, comps, len(comps),
-                            c0.logprobs, prompt_lps)
+        out = RequestOutput(
+            id=r.id, index=r.index, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
+            token_ids=c0.token_ids, text=c0.text, finish_reason=c0.finish_reason, error=error,
+            stop_reason=c0.stop_reason, ttft_s=min(ttfts, default=None),
+            tpot_s=sum(tpots) / len(tpots) if tpots else None, latency_s=max(lats, default=None),
+            preemptions=sum(c.preemptions for c in comps), seed=c0.seed, metadata=r.metadata,
+            completions=comps, n=len(comps), logprobs=c0.logprobs, prompt_logprobs=prompt_lps)
         self.stats.record_request(out)
         return out
 
@@ -357,11 +368,12 @@ class LLMEngine:
             self.stats.preemption_steps.append(self._step)
         self.stats.forward_s += forward_s
         self.stats.steps.append(StepRecord(
-            self._step, round(time.perf_counter() - self.stats.start, 6), running,
-            len(self.scheduler.waiting), u.blocks_used, u.blocks_free, u.tokens_stored, u.slots_allocated,
-            sum(n for _, _, n in plan.prefill), len(plan.decode), n_pre, round(forward_s, 6),
-            u.shared_refs, u.blocks_cached_free, u.blocks_shared,
-            fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs))
+            step=self._step, t=round(time.perf_counter() - self.stats.start, 6), running=running,
+            waiting=len(self.scheduler.waiting), blocks_used=u.blocks_used, blocks_free=u.blocks_free,
+            tokens_stored=u.tokens_stored, slots_allocated=u.slots_allocated,
+            prefill_tokens=sum(n for _, _, n in plan.prefill), decode_tokens=len(plan.decode), preempted=n_pre,
+            forward_s=round(forward_s, 6), shared_refs=u.shared_refs, cached_free=u.blocks_cached_free,
+            shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs))
         self._step += 1
 
 

@@ -6,6 +6,9 @@ Invariants:
   ``num_cached = 0`` and is recomputed from all its tokens, so nothing it generated is lost.
 - A sequence's random stream depends only on its seed and the index of the token being drawn,
   never on the batch it happens to run in (see ``sampler``).
+- A request's seed is its own ``params.seed`` when given, else a digest of the run's seed and
+  the request's id (``request_seed``): never a draw from a shared stream, so it does not depend
+  on which engine or worker runs the request, on arrival order, or on what ran before.
 - A request with ``n`` > 1 is a ``Group`` of n sequences: fork 0 prefills the prompt and carries
   the other n - 1 as ``pending`` until its prompt is done; then they fork from it (sharing its
   blocks) and run as ordinary sequences. Fork i draws from ``fork_seed(seed, i)``, and fork 0's
@@ -15,6 +18,8 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field, fields
 
@@ -44,13 +49,13 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError with one sentence naming the bad field."""
         checks = [
-            (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1"),
+            (_int(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens must be an integer >= 1"),
             (_num(self.temperature) and self.temperature >= 0, "temperature must be a number >= 0"),
             (_num(self.top_p) and 0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (0 = off)"),
+            (_int(self.top_k) and self.top_k >= 0, "top_k must be an integer >= 0 (0 = off)"),
             (_num(self.min_p) and 0 <= self.min_p < 1, "min_p must be in [0, 1)"),
             (_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed must be an integer"),
+            (self.seed is None or _int(self.seed), "seed must be an integer"),
             (isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids), "stop_token_ids must be a list of integers"),
             (isinstance(self.ignore_eos, bool), "ignore_eos must be true or false"),
@@ -115,6 +120,16 @@ def fork_seed(seed: int, i: int) -> int:
     ``(seed + i * 0xD1B54A32D192ED03) mod 2**63``. Completion i of an n-way request equals the
     same request run with n = 1 and ``seed = fork_seed(seed, i)``."""
     return (seed + i * _FORK_MIX) & ((1 << 63) - 1)
+
+
+def request_seed(run_seed: int, req: "Request") -> int:
+    """The seed ``req`` samples with: its own ``params.seed`` if set, else a 63-bit digest of the
+    run's seed and the request's id. Two requests with equal prompts but different ids draw
+    different samples; the same id under the same run seed draws the same sample anywhere."""
+    if req.params.seed is not None:
+        return req.params.seed
+    key = json.dumps([run_seed, req.id], default=str).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
 @dataclass
@@ -221,7 +236,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "error" (refused, or cut short: ``error`` says why)
     error: str | None = None
     stop_reason: str | int | None = None
     ttft_s: float | None = None
@@ -262,7 +277,7 @@ class RequestOutput:
         return {
             "id": self.id, "prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
             "prompt_token_ids": self.prompt_token_ids, "finish_reason": self.finish_reason,
-            "error": self.error, "stop_reason": self.stop_reason,
+            "error": self.error, "stop_reason": self.stop_reason, "seed": self.seed,
             "num_prompt_tokens": len(self.prompt_token_ids), "num_output_tokens": len(self.token_ids),
             "metrics": {"ttft_s": _r(self.ttft_s), "tpot_s": _r(self.tpot_s),
                         "latency_s": _r(self.latency_s), "preemptions": self.preemptions},

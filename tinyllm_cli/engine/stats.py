@@ -11,6 +11,17 @@ import time
 from dataclasses import asdict, dataclass, field
 
 
+class RunSummary(dict):
+    """A run's figures: exactly the keys of ``--stats-json`` and the run table, readable as
+    attributes too (``summary.output_tokens_per_s``, ``summary.ttft_s["p99"]``)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"a run summary has no {name!r}; its keys: {', '.join(self)}") from None
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -76,8 +87,9 @@ class RunStats:
 
     def record_request(self, out) -> None:
         self.num_requests += 1
-        if out.finish_reason == "error" and not out.num_output_tokens:
+        if out.finish_reason == "error":  # refused, or cut short (its partial tokens still count)
             self.num_failed += 1
+        if not out.num_output_tokens:
             return
         self.prompt_tokens += len(out.prompt_token_ids)
         self.output_tokens += out.num_output_tokens  # every completion of an n > 1 request

@@ -1,12 +1,16 @@
-"""``tinyllm bench``: one seeded workload, run once per cache kind x block size at equal KV bytes.
+"""``tinyllm bench``: one seeded workload, run once per cache kind x block size at equal KV bytes,
+for each worker count asked for.
 
 Invariants:
 - Every run gets the identical list of prompt ids and output lengths (greedy, ``ignore_eos``),
   so runs differ only in the cache; the slot cache gets exactly the paged cache's KV bytes.
-- The model is loaded once; each run builds a fresh cache and engine.
+- One function (``timed_rows``) builds the rows for any worker count: an ``LLM`` per count (in
+  this process for 1, Ray workers for more), reconfigured per row (fresh pool, same model).
 - ``--n 1,4`` runs every row once per n: each prompt asks for n completions (greedy, so the n
   are identical; what differs is memory: the paged cache shares the prompt's blocks among the n
   forks, the slot cache copies the prompt into one slot per fork).
+- Reference points (transformers baseline, GEMM roofline, profile) measure the in-process
+  engine, so they need worker count 1 in the sweep.
 """
 
 from __future__ import annotations
@@ -18,15 +22,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from .config import Config
-from .engine.request import Request, SamplingParams
-from .errors import TinyLLMError, UsageError
-from .io import RequestBuilder, check_prompt_file, read_records, record_id
-from .report import bench_table, stderr_console
-from .runtime import Runtime, kv_budget, load_runtime, make_engine
+from ..config import Config
+from ..errors import TinyLLMError, UsageError
+from ..io import check_prompt_file
+from ..llm import LLM
+from ..report import bench_table, stderr_console
+from ..runtime import kv_budget
+from ..workload import check_workload, prompts_from_file, requests_for, shared_prefix_prompts
+from .common import open_llm
 
 
 @dataclass
@@ -48,14 +53,15 @@ class BenchSpec:
     roofline: bool = False
     profile: bool = False
     repeat: int = 1
-    workers: list[int] = dataclasses.field(default_factory=lambda: [1])  # Ray worker counts (cluster.py)
+    workers: list[int] = dataclasses.field(default_factory=lambda: [1])  # 1: in-process; N: Ray workers
     n_values: tuple[int, ...] = (1,)
 
     @classmethod
     def parse(cls, block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts, seed,
               warmup, chat, cfg: Config, prefix_len: int = 0, num_prefixes: int = 1,
               prefix_cache: str = "on", baseline: str | None = None, roofline: bool = False,
-              profile: bool = False, repeat: int = 1, n_values: str | None = None) -> "BenchSpec":
+              profile: bool = False, repeat: int = 1, n_values: str | None = None,
+              workers: str | None = None) -> "BenchSpec":
         sizes = _int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
         kinds = [c.strip() for c in caches.split(",") if c.strip()]
         bad = [k for k in kinds if k not in ("paged", "slot")]
@@ -75,9 +81,13 @@ class BenchSpec:
         if baseline not in (None, "hf"):
             raise UsageError(f"--baseline takes hf (transformers generate), not {baseline!r}")
         ns = tuple(_int_list(n_values, "--n")) if n_values else (1,)
+        counts = _int_list(workers, "--workers") if workers else [1]
+        if (baseline or roofline or profile) and (1 not in counts or cfg.parallel.ray_address is not None):
+            raise UsageError("--baseline, --roofline and --profile measure the in-process engine: "
+                             "include 1 in --workers (without --ray-address)")
         return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat,
                    prefix_len, num_prefixes, tuple(modes[m] for m in picked), baseline, roofline, profile,
-                   repeat, n_values=ns)
+                   repeat, workers=counts, n_values=ns)
 
     def combos(self) -> list[tuple[str, int, bool, int]]:
         out = []
@@ -90,15 +100,6 @@ class BenchSpec:
         return out
 
 
-def check_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float) -> None:
-    """The random-workload flags shared by bench and inspect-blocks."""
-    for name, v in (("--num-prompts", num_prompts), ("--input-len", input_len), ("--output-len", output_len)):
-        if v <= 0:
-            raise UsageError(f"{name} must be a positive integer, not {v}")
-    if not 0 <= range_ratio < 1:
-        raise UsageError(f"--range-ratio must be in [0, 1), not {range_ratio}")
-
-
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -109,81 +110,51 @@ def _int_list(text: str, flag: str) -> list[int]:
     return vals
 
 
-def random_prompts(model_cfg, num: int, input_len: int, range_ratio: float, seed: int) -> list[list[int]]:
-    """Seeded random-token prompts with lengths uniform in L*(1-r)..L*(1+r) (vLLM's convention),
-    drawn above the special-token ids so no prompt contains an EOS."""
-    g = torch.Generator().manual_seed(seed)
-    lo = max(1, int(input_len * (1 - range_ratio)))
-    hi = max(lo, int(input_len * (1 + range_ratio)))
-    lens = torch.randint(lo, hi + 1, (num,), generator=g).tolist()
-    vocab = model_cfg.vocab_size
-    special = set(model_cfg.eos_token_ids) | {model_cfg.bos_token_id or 0}
-    low = max(special) + 1 if max(special) < vocab // 2 else 0
-    return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lens]
+def workload_for(spec: BenchSpec, llm: LLM) -> list[list[int]]:
+    rt = llm.runtime
+    if spec.prompts:
+        return prompts_from_file(spec.prompts, rt.tokenizer, spec.chat)
+    return shared_prefix_prompts(rt.model_cfg, spec.num_prompts, spec.input_len, spec.range_ratio, spec.seed,
+                                 spec.prefix_len, spec.num_prefixes)
 
 
-def random_workload(spec: BenchSpec, rt: Runtime) -> list[list[int]]:
-    """Random prompts; with ``prefix_len`` each starts with one of ``num_prefixes`` shared
-    random prefixes (round robin), as in vLLM's prefix-repetition benchmark."""
-    suffixes = random_prompts(rt.model.cfg, spec.num_prompts, spec.input_len, spec.range_ratio, spec.seed)
-    if not spec.prefix_len:
-        return suffixes
-    prefixes = random_prompts(rt.model.cfg, spec.num_prefixes, spec.prefix_len, 0.0, spec.seed + 1)
-    return [prefixes[i % spec.num_prefixes] + s for i, s in enumerate(suffixes)]
-
-
-def prompts_from_file(path: str, rt: Runtime, cfg: Config, chat: bool) -> list[list[int]]:
-    builder = RequestBuilder(rt.tokenizer, chat, cfg.sampling)
-    out = []
-    for n, (lineno, rec) in enumerate(read_records(path)):
-        req = builder.build(n, lineno, rec, record_id(n, rec))
-        if req.error:
-            raise UsageError(f"{path}: {req.error}")
-        out.append(req.prompt_token_ids)
-    if not out:
-        raise UsageError(f"prompts file {path!r} has no prompts")
-    return out
-
-
-def requests_for(workload: list[list[int]], output_len: int, n: int = 1) -> list[Request]:
-    return [Request(str(i), ids, SamplingParams(max_new_tokens=output_len, ignore_eos=True, n=n), index=i)
-            for i, ids in enumerate(workload)]
-
-
-def run_one(cfg: Config, rt: Runtime, kind: str, block_size: int, budget: int,
-            workload: list[list[int]], output_len: int, prefix_caching: bool = False,
-            tokens_out: list | None = None, profile_into: dict | None = None, n: int = 1) -> dict:
-    """One engine run of the workload; its stats summary. ``profile_into``: run it under the
-    profiler (cache allocation stays outside) and put the breakdown there."""
-    c = dataclasses.replace(cfg.cache, kind=kind, block_size=block_size or cfg.cache.block_size,
+def run_one(llm: LLM, base: Config, kind: str, block_size: int, budget: int, workload: list[list[int]],
+            output_len: int, prefix_caching: bool = False, tokens_out: list | None = None,
+            profile_into: dict | None = None, n: int = 1) -> dict:
+    """One run of the workload on a fresh engine of ``llm`` with this cache; its stats. ``profile_into``:
+    run it under the profiler (cache allocation stays outside) and put the breakdown there."""
+    c = dataclasses.replace(base.cache, kind=kind, block_size=block_size or base.cache.block_size,
                             num_blocks=None, kv_memory=str(budget), prefix_caching=prefix_caching)
-    engine = make_engine(dataclasses.replace(cfg, cache=c), rt)
+    llm.reconfigure(config=dataclasses.replace(base, cache=c))
     reqs = requests_for(workload, output_len, n)
     if profile_into is None:
-        outs = list(engine.run(reqs))
+        outs = list(llm.run(reqs))
     else:
-        from .profiling import profile_run
+        from ..profiling import profile_run
         outs = []
-        profile_into |= profile_run(lambda: outs.extend(engine.run(reqs)), rt.device)
+        profile_into |= profile_run(lambda: outs.extend(llm.run(reqs)), llm.runtime.device)
     outs.sort(key=lambda o: o.index)
     if tokens_out is not None:
         tokens_out[:] = [o.token_ids for o in outs]
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
         raise TinyLLMError(f"bench request {failed[0].id} failed on the {kind} cache: {failed[0].error}")
-    return engine.stats.summary() | {"n": n}
+    return dict(llm.stats) | {"n": n}
 
 
-def timed_rows(spec: BenchSpec, cfg: Config, rt: Runtime, budget: int, workload, quiet: bool):
+def timed_rows(spec: BenchSpec, llm: LLM, base: Config, budget: int, workload, quiet: bool):
     """Every combination ``spec.repeat`` times, round robin (so drift on a noisy machine hits all
-    rows alike); each row is the run with the median elapsed time, with every run's time listed."""
+    rows alike); each row is the run with the median elapsed time, with every run's time listed.
+    The same for any engine behind ``llm``: in this process or on N Ray workers."""
     combos = spec.combos()
+    if spec.warmup:  # first-call costs (allocator, kernels, every worker's) must not land on a row
+        run_one(llm, base, "paged", spec.block_sizes[0], budget, workload[:2 * llm.runtime.workers], 4)
     runs: list[list[dict]] = [[] for _ in combos]
     first_tokens: list = []
     bar = tqdm(total=len(combos) * spec.repeat, desc="bench", unit="run", file=sys.stderr, disable=quiet)
     for r in range(spec.repeat):
         for i, (kind, bs, pc, n) in enumerate(combos):
-            runs[i].append(run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc,
+            runs[i].append(run_one(llm, base, kind, bs, budget, workload, spec.output_len, pc,
                                    tokens_out=first_tokens if (r, i) == (0, 0) else None, n=n))
             bar.update(1)
     bar.close()
@@ -191,35 +162,60 @@ def timed_rows(spec: BenchSpec, cfg: Config, rt: Runtime, budget: int, workload,
     for done in runs:
         times = [d["elapsed_s"] for d in done]
         median = sorted(done, key=lambda d: d["elapsed_s"])[(len(done) - 1) // 2]
-        rows.append(median | rt.facts() | {
+        rows.append(median | {
             "num_prompts": len(workload), "output_len": spec.output_len,
             "mean_input_len": round(sum(map(len, workload)) / len(workload), 1),
             "repeats": spec.repeat, "elapsed_s_runs": times})
     return rows, first_tokens
 
 
+def sweep(spec: BenchSpec, cfg: Config, quiet: bool) -> tuple[list[dict], dict, list[list[int]], int, str]:
+    """Rows for every worker count (each its own ``LLM``), plus the reference points measured on
+    the in-process one. Returns (rows, references, workload, KV budget, the runtime's description)."""
+    rows, refs, workload, budget, described = [], {}, None, 0, ""
+    parallel = spec.workers != [1] or cfg.parallel.ray_address is not None
+    for w in spec.workers:
+        wcfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, workers=w))
+        with open_llm(wcfg, quiet) as llm:
+            rt = llm.runtime
+            if workload is None:
+                workload = workload_for(spec, llm)
+                sized = dataclasses.replace(cfg.cache, block_size=spec.block_sizes[0])
+                budget = kv_budget(dataclasses.replace(cfg, cache=sized), rt.model_cfg, rt.dtype)
+                described = rt.describe()
+            got, first_tokens = timed_rows(spec, llm, wcfg, budget, workload, quiet)
+            if parallel:
+                got = [r | {"workers": w, "worker_threads": _threads(r)} for r in got]
+            if rt.model is not None and not refs:
+                refs = reference_points(spec, wcfg, llm, budget, workload, first_tokens, got, quiet)
+            rows += got
+    if parallel:
+        base = {(r["cache_kind"], r["block_size"], r["prefix_caching"], r["n"]): r for r in rows if r["workers"] == 1}
+        for r in rows:
+            b = base.get((r["cache_kind"], r["block_size"], r["prefix_caching"], r["n"]))
+            r["scaling"] = round(r["total_tokens_per_s"] / b["total_tokens_per_s"], 3) if b else None
+    for r in rows:
+        r["reference"] = refs
+    return rows, refs, workload, budget, described
+
+
+def _threads(row: dict) -> int:
+    """Torch threads per engine: the first Ray worker's (its row in ``workers``), else this process's."""
+    if isinstance(row.get("workers"), list):
+        return row["workers"][0]["threads"]
+    import torch
+    return torch.get_num_threads()
+
+
 def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path | None, quiet: bool,
               plot: Path | None = None) -> int:
-    rt = load_runtime(cfg, progress=not quiet)
-    workload = prompts_from_file(spec.prompts, rt, cfg, spec.chat) if spec.prompts else random_workload(spec, rt)
-    budget = kv_budget(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, block_size=spec.block_sizes[0])),
-                       rt.model.cfg, rt.dtype)
-    if spec.warmup:  # first-call costs (allocator, kernels) must not land on the first row
-        run_one(cfg, rt, "paged", spec.block_sizes[0], budget, workload[:2], 4)
-    if spec.workers == [1] and cfg.parallel.ray_address is None:
-        rows, first_tokens = timed_rows(spec, cfg, rt, budget, workload, quiet)
-    else:
-        from .cluster import parallel_bench_rows
-        rows, first_tokens = parallel_bench_rows(spec, cfg, rt, budget, workload, quiet)
-    refs = reference_points(spec, cfg, rt, workload, first_tokens, rows, quiet)
-    if spec.profile:
-        refs["profile"] = profile_first(spec, cfg, rt, budget, workload)
+    rows, refs, workload, budget, described = sweep(spec, cfg, quiet)
     write_rows(rows, json_out, csv_out)
     if plot is not None:
-        from .plot import draw
+        from ..plot import draw
         draw("bench", rows, plot)
     if not quiet:
-        title = (f"tinyllm bench · {rt.describe()} · {len(workload)} prompts, "
+        title = (f"tinyllm bench · {described} · {len(workload)} prompts, "
                  f"~{rows[0]['mean_input_len']:.0f} in / {spec.output_len} out · KV {budget / 2**20:.0f} MiB"
                  + (f" · median of {spec.repeat} runs" if spec.repeat > 1 else ""))
         con = stderr_console()
@@ -231,21 +227,23 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
     return 0
 
 
-def reference_points(spec: BenchSpec, cfg: Config, rt: Runtime, workload, first_tokens, rows, quiet) -> dict:
-    """Run the baseline / roofline after tinyllm's runs and attach ratios to every row."""
-    from .baselines import hf_generate_baseline, measure_roofline
+def reference_points(spec: BenchSpec, cfg: Config, llm: LLM, budget: int, workload, first_tokens, rows,
+                     quiet) -> dict:
+    """Run the baseline / roofline / profile after tinyllm's in-process runs; ratios go on ``rows``."""
+    from ..baselines import hf_generate_baseline, measure_roofline
+    rt = llm.runtime
     refs: dict = {}
     if spec.roofline:
-        refs["roofline"] = measure_roofline(rt.model.cfg, rt.dtype, rt.device, rt.model.gemm)
-        if rt.model.gemm != "torch":  # the plain F.linear rate, for comparison with other tools
-            refs["roofline_torch"] = measure_roofline(rt.model.cfg, rt.dtype, rt.device, "torch")
+        refs["roofline"] = measure_roofline(rt.model_cfg, rt.dtype, rt.device, rt.gemm)
+        if rt.gemm != "torch":  # the plain F.linear rate, for comparison with other tools
+            refs["roofline_torch"] = measure_roofline(rt.model_cfg, rt.dtype, rt.device, "torch")
         for r in rows:
             r["roofline_frac"] = round(r["total_tokens_per_s"] / refs["roofline"]["roofline_tokens_per_s"], 3)
             r["achieved_gflops"] = round(r["total_tokens_per_s"] * refs["roofline"]["flops_per_token"] / 1e9, 1)
     if spec.baseline == "hf":
         if not quiet:
             print("running the transformers baseline ...", file=sys.stderr)
-        pad = (rt.model.cfg.eos_token_ids or [0])[0]
+        pad = (rt.model_cfg.eos_token_ids or [0])[0]
         base = hf_generate_baseline(cfg.model, workload, spec.output_len, rt.dtype, rt.device, pad, spec.repeat)
         theirs = base.pop("token_ids")
         base["greedy_match"] = sum(a == b for a, b in zip(theirs, first_tokens))
@@ -253,16 +251,16 @@ def reference_points(spec: BenchSpec, cfg: Config, rt: Runtime, workload, first_
         refs["hf"] = base
         for r in rows:
             r["vs_hf"] = round(r["total_tokens_per_s"] / base["total_tokens_per_s"], 3)
-    for r in rows:
-        r["reference"] = refs
+    if spec.profile:
+        refs["profile"] = profile_first(spec, cfg, llm, budget, workload)
     return refs
 
 
-def profile_first(spec: BenchSpec, cfg: Config, rt: Runtime, budget: int, workload) -> dict:
+def profile_first(spec: BenchSpec, cfg: Config, llm: LLM, budget: int, workload) -> dict:
     """An extra, profiled run of the first row's configuration (see ``profiling.py``)."""
     kind, bs, pc, n = spec.combos()[0]
     prof: dict = {}
-    summary = run_one(cfg, rt, kind, bs, budget, workload, spec.output_len, pc, profile_into=prof, n=n)
+    summary = run_one(llm, cfg, kind, bs, budget, workload, spec.output_len, pc, profile_into=prof, n=n)
     return prof | {"run": f"{kind}/{summary['block_size']}", "phases_s": summary["phases_s"],
                    "engine_overhead_frac": summary["engine_overhead_frac"]}
 

@@ -1,22 +1,25 @@
 """``tinyllm inspect-blocks``: run a workload on the paged cache and show its memory at one moment
-(block map, block tables, free list) plus the whole run's utilization / free-block timeline."""
+(block map, block tables, free list) plus the whole run's utilization / free-block timeline.
+
+The moment is caught by a ``Recorder``, an engine observer that reads the cache's public
+snapshot (``cache/snapshot.py``). On Ray workers each worker's engine runs its own recorder and
+sends it back, so a cluster run shows every worker's pool.
+"""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from rich.table import Table
-from tqdm import tqdm
 
-from .bench import check_workload, prompts_from_file, random_prompts, requests_for
-from .commands import write_stats_file
-from .config import Config
-from .errors import TinyLLMError, UsageError
-from .io import check_prompt_file
-from .report import block_map, marks_line, moment, run_table, sparkline, stderr_console
-from .runtime import load_runtime, make_engine
+from ..cache.snapshot import take
+from ..config import Config
+from ..errors import TinyLLMError, UsageError
+from ..io import check_prompt_file
+from ..report import block_map, marks_line, moment, run_table, sparkline, stderr_console
+from ..workload import check_workload, prompts_from_file, random_prompts, requests_for
+from .common import open_llm, write_json
 
 
 def parse_at(at: str) -> str | int:
@@ -32,47 +35,56 @@ def parse_at(at: str) -> str | int:
 
 
 def snapshot(engine, step: int) -> dict:
-    cache = engine.cache
-    by_id = {s.seq_id: s for s in engine.scheduler.running}
-    owner: list[int | None] = [None] * cache.num_blocks
+    """The engine's pool at ``step`` as the report's JSON: who owns each block, each table."""
+    snap = take(engine.cache)
+    seqs = engine.running_sequences()  # seq id -> (request id, fork)
+    owner: list[int | None] = [None] * snap.num_blocks
+    holders: dict[int, list[int]] = {}
     tables = []
-    for sid, table in cache.tables.items():
+    for sid, table in snap.tables.items():
         for b in table:
             owner[b] = sid
-        n, bs = cache.lens[sid], cache.block_size
-        seq = by_id.get(sid)
-        tables.append({"seq_id": sid, "request_id": seq.request.id if seq else None,
-                       "fork": seq.fork if seq else None, "tokens": n, "blocks": list(table),
+            holders.setdefault(b, []).append(sid)
+        n, bs = snap.lens[sid], snap.block_size
+        rid, fork = seqs.get(sid, (None, None))
+        tables.append({"seq_id": sid, "request_id": rid, "fork": fork, "tokens": n, "blocks": list(table),
                        "last_block_fill": (n - (len(table) - 1) * bs) if table else 0,
                        "slots_allocated": len(table) * bs})
-    u = cache.usage()
-    refs = list(cache.pool.ref)
-    holders: dict[int, list[int]] = {}
-    for sid, table in cache.tables.items():
-        for b in table:
-            holders.setdefault(b, []).append(sid)
+    u, refs = snap.usage, list(snap.refs)
     shared = [{"block": b, "refs": refs[b], "seq_ids": sorted(h)} for b, h in sorted(holders.items()) if len(h) > 1]
-    forks = {"forks": cache.forks, "cow_copies": cache.cow_copies, "fork_shared_blocks": u.fork_shared_blocks,
+    forks = {"forks": snap.forks, "cow_copies": snap.cow_copies, "fork_shared_blocks": u.fork_shared_blocks,
              "fork_refs": u.fork_refs}
     return {"step": step, "refs": refs, "shared_blocks": shared, "fork_sharing": forks,
-            "cached_free": list(cache.pool.evictable), "prefix_caching": cache.prefix_caching, "blocks_used": u.blocks_used, "blocks_free": u.blocks_free,
+            "cached_free": list(snap.cached_free), "prefix_caching": snap.prefix_caching,
+            "blocks_used": u.blocks_used, "blocks_free": u.blocks_free,
             "tokens_stored": u.tokens_stored, "slots_allocated": u.slots_allocated,
-            "utilization": round(u.utilization, 4), "block_size": cache.block_size,
-            "num_blocks": cache.num_blocks, "scratch_block": cache.num_blocks,
-            "owner": owner, "tables": tables, "free_list": cache.allocator.free_list()}
+            "utilization": round(u.utilization, 4), "block_size": snap.block_size,
+            "num_blocks": snap.num_blocks, "scratch_block": snap.num_blocks,
+            "owner": owner, "tables": tables, "free_list": list(snap.free_list)}
 
 
 class Recorder:
-    """Engine observer that keeps the snapshot asked for (peak, end, or step N).
+    """Engine observer that keeps the snapshot asked for (peak, end, or step N), and at the end
+    of the run (``finish``) the engine's timeline and summary: one engine's report.
 
     ``peak`` is the first step at which blocks used (held by sequences; cached free blocks do not
     count) reach their maximum: the figure the run table reports as "peak blocks used"."""
 
     def __init__(self, at: str | int):
         self.at, self.snap, self.best = at, None, -1
+        self.steps = 0
+        self.timeline: list[dict] = []
+        self.preemption_steps: list[int] = []
+        self.summary: dict = {}
+
+    def finish(self, engine) -> None:
+        self.steps = engine.step_index
+        self.timeline = engine.stats.timeline()
+        self.preemption_steps = list(engine.stats.preemption_steps)
+        self.summary = engine.stats.summary()
 
     def __call__(self, engine, plan) -> None:
-        step = engine._step
+        step = engine.step_index
         used = engine.cache.usage().blocks_used  # what the step's StepRecord holds
         if self.at == "peak" and used > self.best:
             self.best, self.snap = used, snapshot(engine, step)
@@ -82,39 +94,42 @@ class Recorder:
             self.snap = snapshot(engine, step)
 
 
-def run_inspect(cfg: Config, prompts: str | None, num_prompts: int, input_len: int, output_len: int,
+def run_inspect(cfg: Config, *, prompts: str | None, num_prompts: int, input_len: int, output_len: int,
                 range_ratio: float, at: str, json_out: Path | None, chat: bool, quiet: bool,
                 stats_json: Path | None = None, plot: Path | None = None, n: int = 1) -> int:
     when = parse_at(at)
     if prompts:
         check_prompt_file(prompts)
     check_workload(num_prompts, input_len, output_len, range_ratio)
-    rt = load_runtime(cfg, progress=not quiet)
-    workload = (prompts_from_file(prompts, rt, cfg, chat) if prompts
-                else random_prompts(rt.model.cfg, num_prompts, input_len, range_ratio, 0))
-    engine = make_engine(cfg, rt)
-    rec = Recorder(when)
-    engine.observers.append(rec)
-    bar = tqdm(total=len(workload), desc="inspect", unit="req", file=sys.stderr, disable=quiet)
-    for out in engine.run(requests_for(workload, output_len, n)):
-        bar.update(1)
-    bar.close()
-    if rec.snap is None:
-        raise TinyLLMError(f"the run had {engine._step} steps, so there is no step {when} to show")
-    report = {"at": at, "snapshot": rec.snap, "summary": engine.stats.summary(),
-              "preemption_steps": engine.stats.preemption_steps, "timeline": engine.stats.timeline()}
-    write_stats_file(stats_json, report["summary"])
-    if json_out is not None:
-        text = json.dumps(report) + "\n"
-        try:
-            sys.stdout.write(text) if str(json_out) == "-" else json_out.write_text(text)
-        except OSError as e:
-            raise TinyLLMError(f"cannot write {json_out}: {e.strerror}")
+    with open_llm(cfg, quiet) as llm:
+        rt = llm.runtime
+        workload = (prompts_from_file(prompts, rt.tokenizer, chat) if prompts
+                    else random_prompts(rt.model_cfg, num_prompts, input_len, range_ratio, 0))
+        llm.engine.add_observer(Recorder(when))
+        for _ in llm.run(requests_for(workload, output_len, n), use_tqdm=not quiet, total=len(workload)):
+            pass
+        recorders = llm.engine.observed()
+        summary = llm.stats
+    missing = [r for r in recorders if r.snap is None]
+    if missing:
+        raise TinyLLMError(f"the run had {missing[0].steps} steps, so there is no step {when} to show")
+    reports = [{"at": at, "snapshot": r.snap, "summary": r.summary, "preemption_steps": r.preemption_steps,
+                "timeline": r.timeline} for r in recorders]
+    report = dict(reports[0])
+    if len(reports) > 1:  # Ray workers: the first one's at the top (as a one-engine report), all listed
+        report |= {"summary": summary, "workers": reports}
+    write_json(summary, stats_json)
+    write_json(report, json_out, indent=None)
     if plot is not None:
-        from .plot import draw
-        draw("inspect", report, plot)
+        from ..plot import draw
+        draw("inspect", reports[0], plot)
     if not quiet:
-        render(report)
+        for i, r in enumerate(reports):
+            if len(reports) > 1:
+                stderr_console().rule(f"[bold]Ray worker {i}")
+            render(r)
+        if len(reports) > 1:
+            stderr_console().print(run_table(summary, title="the whole run (all workers)"))
     return 0
 
 

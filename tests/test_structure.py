@@ -1,0 +1,120 @@
+"""The package's layering, checked from the source: no import cycles (module-level or inside
+functions), nothing imports a command, and the lower layers never reach up (DESIGN.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "tinyllm_cli"
+
+# Layers that must not import the ones named (by module prefix).
+FORBIDDEN = {
+    "tinyllm_cli.engine": ("tinyllm_cli.llm", "tinyllm_cli.cluster", "tinyllm_cli.runtime", "tinyllm_cli.io",
+                           "tinyllm_cli.report", "tinyllm_cli.plot", "tinyllm_cli.workload", "tinyllm_cli.config"),
+    "tinyllm_cli.cache": ("tinyllm_cli.engine", "tinyllm_cli.llm", "tinyllm_cli.cluster", "tinyllm_cli.runtime",
+                          "tinyllm_cli.config", "tinyllm_cli.io"),
+    "tinyllm_cli.model": ("tinyllm_cli.engine", "tinyllm_cli.cache", "tinyllm_cli.llm", "tinyllm_cli.cluster",
+                          "tinyllm_cli.runtime", "tinyllm_cli.config", "tinyllm_cli.io"),
+    "tinyllm_cli.cluster": ("tinyllm_cli.llm",),
+    "tinyllm_cli.runtime": ("tinyllm_cli.llm", "tinyllm_cli.cluster"),
+    "tinyllm_cli.report": ("tinyllm_cli.llm", "tinyllm_cli.engine", "tinyllm_cli.cluster"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every tinyllm_cli module ``name`` imports, anywhere in the file."""
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("tinyllm_cli")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("tinyllm_cli"):
+                continue
+            for a in node.names:  # `from .engine import sampler` imports a module
+                sub = f"{target}.{a.name}"
+                out.add(sub if sub in known else target)
+    return {m for m in out if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {n: imports_of(n, p, set(mods)) for n, p in mods.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in g:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_sees_a_cycle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert cycles(g) == [["a", "b", "c"]]
+
+
+def test_the_checker_resolves_relative_imports(tmp_path):
+    g = graph()
+    assert "tinyllm_cli.engine.contract" in g["tinyllm_cli.engine.engine"]
+    assert "tinyllm_cli.engine.sampler" in g["tinyllm_cli.engine.engine"]  # `from . import sampler`
+    assert "tinyllm_cli.llm" in g["tinyllm_cli.commands.common"]
+
+
+def test_no_import_cycles():
+    assert cycles(graph()) == []
+
+
+def test_nothing_imports_a_command():
+    g = graph()
+    bad = [(m, t) for m, ts in g.items() for t in ts
+           if t.startswith("tinyllm_cli.commands") and not (m == "tinyllm_cli.cli" or m.startswith("tinyllm_cli.commands"))]
+    assert bad == []
+
+
+def test_lower_layers_never_reach_up():
+    g = graph()
+    bad = [(m, t) for m, ts in g.items() for t in ts for layer, banned in FORBIDDEN.items()
+           if (m == layer or m.startswith(layer + ".")) and any(t == b or t.startswith(b + ".") for b in banned)]
+    assert bad == []

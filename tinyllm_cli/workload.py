@@ -1,0 +1,65 @@
+"""Prompt workloads for ``bench`` and ``inspect-blocks``: seeded random-token prompts (optionally
+behind shared prefixes), or the prompts of a file, as token ids; and the greedy requests that
+run them. The same seed gives the same workload, so runs differ only in what is measured."""
+
+from __future__ import annotations
+
+import torch
+
+from .engine.request import Request, SamplingParams
+from .errors import UsageError
+from .io import RequestBuilder, read_records, record_id
+
+
+def check_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float) -> None:
+    """The random-workload flags shared by bench and inspect-blocks."""
+    for name, v in (("--num-prompts", num_prompts), ("--input-len", input_len), ("--output-len", output_len)):
+        if v <= 0:
+            raise UsageError(f"{name} must be a positive integer, not {v}")
+    if not 0 <= range_ratio < 1:
+        raise UsageError(f"--range-ratio must be in [0, 1), not {range_ratio}")
+
+
+def random_prompts(model_cfg, num: int, input_len: int, range_ratio: float, seed: int) -> list[list[int]]:
+    """Seeded random-token prompts with lengths uniform in L*(1-r)..L*(1+r) (vLLM's convention),
+    drawn above the special-token ids so no prompt contains an EOS."""
+    g = torch.Generator().manual_seed(seed)
+    lo = max(1, int(input_len * (1 - range_ratio)))
+    hi = max(lo, int(input_len * (1 + range_ratio)))
+    lens = torch.randint(lo, hi + 1, (num,), generator=g).tolist()
+    vocab = model_cfg.vocab_size
+    special = set(model_cfg.eos_token_ids) | {model_cfg.bos_token_id or 0}
+    low = max(special) + 1 if max(special) < vocab // 2 else 0
+    return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def shared_prefix_prompts(model_cfg, num: int, input_len: int, range_ratio: float, seed: int,
+                          prefix_len: int = 0, num_prefixes: int = 1) -> list[list[int]]:
+    """Random prompts; with ``prefix_len`` each starts with one of ``num_prefixes`` shared
+    random prefixes (round robin), as in vLLM's prefix-repetition benchmark."""
+    suffixes = random_prompts(model_cfg, num, input_len, range_ratio, seed)
+    if not prefix_len:
+        return suffixes
+    prefixes = random_prompts(model_cfg, num_prefixes, prefix_len, 0.0, seed + 1)
+    return [prefixes[i % num_prefixes] + s for i, s in enumerate(suffixes)]
+
+
+def prompts_from_file(path: str, tokenizer, chat: bool) -> list[list[int]]:
+    """Every prompt of a prompts file as token ids; a bad line is a usage error here (a benchmark
+    of a file with holes would not be the file's)."""
+    builder = RequestBuilder(tokenizer, chat, SamplingParams())
+    out = []
+    for n, (lineno, rec) in enumerate(read_records(path)):
+        req = builder.build(n, lineno, rec, record_id(n, rec))
+        if req.error:
+            raise UsageError(f"{path}: {req.error}")
+        out.append(req.prompt_token_ids)
+    if not out:
+        raise UsageError(f"prompts file {path!r} has no prompts")
+    return out
+
+
+def requests_for(workload: list[list[int]], output_len: int, n: int = 1) -> list[Request]:
+    """Greedy requests that generate exactly ``output_len`` tokens each (EOS ignored)."""
+    return [Request(str(i), ids, SamplingParams(max_new_tokens=output_len, ignore_eos=True, n=n), index=i)
+            for i, ids in enumerate(workload)]
