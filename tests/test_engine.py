@@ -142,7 +142,7 @@ def test_lone_sequence_outgrowing_pool_stops_without_looping(tiny_model):
     (out,), eng = run(tiny_model, cache, [req])
     # 16 positions hold the prompt and 10 generated tokens; the 11th is sampled from them and
     # would need a 17th position only to go on.
-    assert out.finish_reason == "length" and "pool" in out.error and len(out.token_ids) == 11
+    assert out.finish_reason == "error" and "pool" in out.error and len(out.token_ids) == 11
     assert out.token_ids == reference_greedy(tiny_model, req.prompt_token_ids, 11)
 
 

@@ -281,7 +281,7 @@ def test_generate_n_logprobs_and_bad_requests(capsys, tmp_path, llama_dir):
     assert n3["num_output_tokens"] == 12
     # n = 1 without logprobs: exactly the flat shape every existing script reads.
     assert list(res["flat"]) == ["id", "prompt", "text", "token_ids", "prompt_token_ids", "finish_reason", "error",
-                                 "stop_reason", "num_prompt_tokens", "num_output_tokens", "metrics"]
+                                 "stop_reason", "seed", "num_prompt_tokens", "num_output_tokens", "metrics"]
     errors = {k: res[k]["error"] for k in ("n0", "huge-n", "pool-n", "lp21", "plp", "top-only")}
     assert all(res[k].get("finish_reason") == "error" for k in ("n0", "lp21", "plp", "top-only"))
     assert [c["finish_reason"] for c in res["pool-n"]["outputs"]] == ["error"] * 12  # the n > 1 shape

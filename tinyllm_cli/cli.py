@@ -80,6 +80,8 @@ SHARED: dict[str, tuple[object, object]] = {
     "ray_address": (Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster: 'auto', HOST:PORT or 'local' (default: a local instance when --workers > 1).")], None),
     "worker_cpus": (Annotated[Optional[float], typer.Option("--worker-cpus", help="CPUs per Ray worker (its torch threads).")], None),
     "worker_gpus": (Annotated[Optional[float], typer.Option("--worker-gpus", help="GPUs per Ray worker.")], None),
+    "max_attempts": (Annotated[Optional[int], typer.Option("--max-attempts", help="Ray workers: failures of a request (alone on a worker) before it is answered with an error.")], None),
+    "max_restarts": (Annotated[Optional[int], typer.Option("--max-restarts", help="Ray workers: dead workers replaced by new ones, at most.")], None),
     "quiet": (Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")], False),
     "debug": (Annotated[bool, typer.Option("--debug", help="Show tracebacks.")], False),
     "stats_json": (Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")], None),
@@ -91,7 +93,7 @@ GROUPS = {
     "SCHEDULER": ("max_num_seqs", "max_prefill_tokens"),
     "SAMPLING": ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                  "ignore_eos", "n", "logprobs", "prompt_logprobs"),
-    "CLUSTER": ("workers", "ray_address", "worker_cpus", "worker_gpus"),
+    "CLUSTER": ("workers", "ray_address", "worker_cpus", "worker_gpus", "max_attempts", "max_restarts"),
     "RUN": ("quiet", "debug", "stats_json"),
 }
 NOT_SETTINGS = {"config", "quiet", "debug", "stats_json", "plot"}  # options that are not config keys
@@ -179,7 +181,7 @@ def serve_batch(
 
 @app.command()
 @shared("MODEL", "num_blocks", "kv_memory", "max_model_len", "SCHEDULER", "ray_address", "worker_cpus",
-        "worker_gpus", "quiet", "debug", "plot")
+        "worker_gpus", "max_attempts", "max_restarts", "quiet", "debug", "plot")
 def bench(
     block_sizes: Annotated[Optional[str], typer.Option("--block-size", help="Comma list, e.g. 8,16,32.")] = None,
     caches: Annotated[str, typer.Option("--cache", help="Comma list of cache kinds: paged,slot.")] = "paged,slot",

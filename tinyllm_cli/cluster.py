@@ -10,9 +10,15 @@ Invariants:
 - Pull-based dispatch: the driver holds every request until a worker has room; a worker has at
   most ``per_worker`` requests in flight, and each reply (sent as soon as one of its requests
   finishes, or after ``REPLY_S``) brings finished outputs back and takes new requests along.
-- A request is done only when its output reaches the driver. When a worker dies, the requests
-  it held go back to the front of the driver's queue for the other workers; an output is
-  accepted once (its key leaves ``inflight`` when it arrives), so none is lost or doubled.
+- A request is done only when its output reaches the driver; an output is accepted once (its
+  key leaves ``inflight`` when it arrives), so none is lost or doubled.
+- Faults. A worker that raises inside ``advance`` is alive: its engine is rebuilt and it goes on.
+  A worker that dies is killed for good and replaced by a new actor, at most
+  ``parallel.max_restarts`` times over the pool's life; "every Ray worker is gone" only once no
+  worker is left. Either way the requests it held go back to the front of the queue as
+  *suspects*, each of which then runs alone on a worker (another one where there is one). A
+  failure with one request aboard is that request's: after ``parallel.max_attempts`` of those it
+  is answered with ``finish_reason: "error"``, so one bad request never takes the run down.
 - The model reaches workers through the object store (one ``ray.put`` of the checkpoint's
   config, weights and tokenizer): a worker never opens the checkpoint path.
 - A request's seed is fixed on the driver by ``request_seed`` (the run's seed and the request's
@@ -194,8 +200,11 @@ class WorkerSlot:
     info: dict = field(default_factory=dict)
     inflight: dict = field(default_factory=dict)  # key -> Request sent, output not yet back
     call: object = None  # the outstanding advance() reference, if any
+    starting: object = None  # a replacement's info() reference until it is up
     alive: bool = True
     error: str | None = None
+    restarts: int = 0  # replacements of this slot's actor after it died
+    raised: int = 0  # calls that raised inside the worker (it stayed alive)
     requests: int = 0
     failed: int = 0
     prompt_tokens: int = 0
@@ -211,13 +220,39 @@ class WorkerPool:
         ray, par = conn.ray, cfg.parallel
         self.conn, self.cfg = conn, cfg
         self._check_resources(ray, par)
-        ref = ray.put(ck)  # the model travels through the object store, never as a path
-        cls = ray.remote(EngineWorker)
-        threads = max(1, int(par.worker_cpus))
-        opts = dict(num_cpus=par.worker_cpus, num_gpus=par.worker_gpus, max_restarts=0,
-                    scheduling_strategy="SPREAD")
-        self.slots = [WorkerSlot(i, cls.options(**opts).remote(ref, cfg, threads)) for i in range(par.workers)]
+        self._ref = ray.put(ck)  # the model travels through the object store, never as a path
+        self.restarts_left = par.max_restarts
+        self.slots = [WorkerSlot(i, self._actor(cfg)) for i in range(par.workers)]
         self._await_ready(ray)
+
+    def _actor(self, cfg: Config):
+        par = cfg.parallel
+        opts = dict(num_cpus=par.worker_cpus, num_gpus=par.worker_gpus, max_restarts=0, scheduling_strategy="SPREAD")
+        return self.conn.ray.remote(EngineWorker).options(**opts).remote(self._ref, cfg, max(1, int(par.worker_cpus)))
+
+    def replace(self, s: WorkerSlot) -> bool:
+        """A new actor for a slot whose actor died (the old one is killed, in case it only hangs);
+        False when the restart budget is spent. The new one is up once ``s.starting`` resolves."""
+        try:
+            self.conn.ray.kill(s.handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+        if self.restarts_left <= 0:
+            s.alive = False
+            return False
+        self.restarts_left -= 1
+        s.handle, s.restarts, s.alive = self._actor(self.cfg), s.restarts + 1, True
+        s.starting = s.handle.info.remote()
+        return True
+
+    def started(self, s: WorkerSlot, ref) -> None:
+        """A replacement answered: up (its info recorded), or dead too (then replaced again)."""
+        s.starting = None
+        try:
+            s.info = self.conn.ray.get(ref)
+        except self.conn.ray.exceptions.RayError as e:
+            s.error = _first_line(getattr(e, "cause", None) or e)
+            self.replace(s)
 
     def _check_resources(self, ray, par) -> None:
         res = ray.cluster_resources()
@@ -251,11 +286,11 @@ class WorkerPool:
 
     def new_run(self) -> None:
         """Zero the per-worker figures, here and in each worker's engine stats."""
-        self.conn.ray.get([s.handle.reset_stats.remote() for s in self.slots if s.alive])
+        self.conn.ray.get([s.handle.reset_stats.remote() for s in self.slots if s.alive and s.starting is None])
         for s in self.slots:
             s.inflight.clear()
             s.call = None
-            s.requests = s.failed = s.prompt_tokens = s.output_tokens = s.handed_back = 0
+            s.requests = s.failed = s.prompt_tokens = s.output_tokens = s.handed_back = s.raised = 0
             s.summary = None
 
     def close(self) -> None:
@@ -283,8 +318,10 @@ class ClusterEngine(Engine):
         self.seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0  # as ``make_engine``'s
         self.pending: deque[tuple[int, Request]] = deque()  # (key, request) not yet sent
         self.requests: dict[int, Request] = {}  # key -> the caller's request, until its output arrives
+        self.suspects: set[int] = set()  # keys aboard a worker that failed: they run alone
+        self.blamed: dict[int, int] = {}  # key -> failures with it alone aboard
+        self.tried: dict[int, set[int]] = {}  # key -> slots it failed on
         self._key = 0
-        self.retried = 0
         self.reset_stats()
 
     # ---- requests in ------------------------------------------------------------------------
@@ -323,70 +360,113 @@ class ClusterEngine(Engine):
     def step(self) -> list[RequestOutput]:
         self._dispatch()
         calls = {s.call: s for s in self.pool.slots if s.alive and s.call is not None}
-        if not calls:
+        starts = {s.starting: s for s in self.pool.slots if s.starting is not None}
+        if not calls and not starts:
             return []
-        ready, _ = self.ray.wait(list(calls), num_returns=1, timeout=POLL_S)
+        ready, _ = self.ray.wait(list(calls) + list(starts), num_returns=1, timeout=POLL_S)
         done: list[RequestOutput] = []
         for ref in ready:
-            done += self._collect(calls[ref], ref)
+            if ref in starts:
+                self.pool.started(starts[ref], ref)
+            else:
+                done += self._collect(calls[ref], ref)
         return done
 
     def _dispatch(self) -> None:
-        """Give every live worker without an outstanding call its next batch: queued requests go
-        one at a time to the least loaded of them (up to ``per_worker`` each), then each worker
-        that has anything in flight gets a call (which may bring no new requests)."""
+        """Give every ready worker without an outstanding call its next batch: queued requests go
+        one at a time to the least loaded of them (up to ``per_worker`` each; a suspect only to an
+        empty worker, alone), then each worker that has anything in flight gets a call (which may
+        bring no new requests)."""
         live = [s for s in self.pool.slots if s.alive]
         if not live and self.requests:
             raise TinyLLMError(f"every Ray worker is gone ({self._deaths()}); {len(self.requests)} "
                                f"requests were not finished")
-        idle = [s for s in live if s.call is None]
+        idle = [s for s in live if s.call is None and s.starting is None]
         batches: dict[int, list[Request]] = {s.index: [] for s in idle}
         while self.pending:
-            room = [s for s in idle if len(s.inflight) < self.per_worker]
-            if not room:
+            key, req = self.pending[0]
+            s = self._place(key, idle)
+            if s is None:
                 break
-            s = min(room, key=lambda s: len(s.inflight))
-            key, req = self.pending.popleft()
+            self.pending.popleft()
             s.inflight[key] = req
             batches[s.index].append(dataclasses.replace(req, id=key))  # the key names it on the way back
         for s in idle:
             if s.inflight:
                 s.call = s.handle.advance.remote(batches[s.index], REPLY_S)
 
+    def _place(self, key: int, idle: list[WorkerSlot]) -> WorkerSlot | None:
+        """The worker for queued request ``key``, or None while none has room for it."""
+        if key in self.suspects:  # alone on an empty worker, one it has not failed on if possible
+            empty = [s for s in idle if not s.inflight]
+            fresh = [s for s in empty if s.index not in self.tried.get(key, ())]
+            return (fresh or empty or [None])[0]
+        room = [s for s in idle if len(s.inflight) < self.per_worker and not self.suspects & s.inflight.keys()]
+        return min(room, key=lambda s: len(s.inflight)) if room else None
+
     def _collect(self, s: WorkerSlot, ref) -> list[RequestOutput]:
         s.call = None
         try:
             outs = self.ray.get(ref)
-        except self.ray.exceptions.RayError as e:
-            self._lost(s, e)
-            return []
+        except self.ray.exceptions.RayTaskError as e:  # raised inside the worker, which lives on
+            s.raised += 1
+            s.error = _first_line(getattr(e, "cause", None) or e)
+            s.handle.reset.remote(self.cfg)  # its engine's state is unknown: a fresh one (calls run in order)
+            return self._hand_back(s)
+        except self.ray.exceptions.RayError as e:  # the actor died or is unreachable
+            s.error = _first_line(e)
+            done = self._hand_back(s)
+            self.pool.replace(s)
+            return done
         done = []
         for out in outs:
             req = s.inflight.pop(out.id, None)
             if req is None or self.requests.pop(out.id, None) is None:
                 continue  # not ours any more: never accept an output twice
+            self._forget(out.id)
             out.id = req.id
-            s.requests += 1
-            s.failed += out.finish_reason == "error"
             s.prompt_tokens += len(out.prompt_token_ids) if out.num_output_tokens else 0
             s.output_tokens += out.num_output_tokens  # every completion of an n > 1 request
-            self.stats.record_request(out)
-            done.append(out)
+            done.append(self._answer(s, out))
         return done
 
-    def _lost(self, s: WorkerSlot, e: BaseException) -> None:
-        """A worker died: what it held goes back to the front of the queue, in input order."""
-        s.alive = False
-        s.error = _first_line(e)
-        back = sorted(s.inflight.items(), key=lambda kv: (kv[1].index, kv[0]))
-        s.handed_back = len(back)
-        self.retried += len(back)
+    def _answer(self, s: WorkerSlot, out: RequestOutput) -> RequestOutput:
+        s.requests += 1
+        s.failed += out.finish_reason == "error"
+        self.stats.record_request(out)
+        return out
+
+    def _forget(self, key: int) -> None:
+        self.suspects.discard(key)
+        self.blamed.pop(key, None)
+        self.tried.pop(key, None)
+
+    def _hand_back(self, s: WorkerSlot) -> list[RequestOutput]:
+        """A worker failed: a request that was alone aboard is blamed (and answered with an error
+        after ``max_attempts`` such failures); the others go back to the front of the queue, in
+        input order, as suspects that run alone from now on."""
+        held = sorted(s.inflight.items(), key=lambda kv: (kv[1].index, kv[0]))
+        s.inflight.clear()
+        done, back = [], []
+        for key, req in held:
+            self.tried.setdefault(key, set()).add(s.index)
+            if len(held) == 1:
+                self.blamed[key] = self.blamed.get(key, 0) + 1
+            if self.blamed.get(key, 0) >= self.cfg.parallel.max_attempts:
+                self.requests.pop(key, None)
+                self._forget(key)
+                why = f"it failed on {len(self.tried.get(key, ())) or 1} worker(s), the last time with: {s.error}"
+                done.append(self._answer(s, RequestOutput.failed(req, why)))
+                continue
+            self.suspects.add(key)
+            back.append((key, req))
+        s.handed_back += len(back)
         for item in reversed(back):
             self.pending.appendleft(item)
-        s.inflight.clear()
+        return done
 
     def _deaths(self) -> str:
-        dead = [f"worker {s.index} ({s.error})" for s in self.pool.slots if not s.alive]
+        dead = [f"worker {s.index} ({s.error}; restarted {s.restarts}x)" for s in self.pool.slots if not s.alive]
         return "; ".join(dead)[:400]
 
 
@@ -418,6 +498,7 @@ class ClusterStats(RunStats):
         out["num_workers"] = len(self.pool.slots)
         out["retried_requests"] = sum(s.handed_back for s in self.pool.slots)
         out["failed_workers"] = [s.index for s in self.pool.slots if not s.alive]
+        out["restarted_workers"] = [s.index for s in self.pool.slots if s.restarts]
         return out
 
 
@@ -457,7 +538,8 @@ def worker_row(s: WorkerSlot, elapsed: float) -> dict:
             "failed_requests": s.failed, "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
             "output_tokens_per_s": round(s.output_tokens / elapsed, 2),
             "peak_blocks_used": sm.get("peak_blocks_used"), "preemptions": sm.get("preemptions"),
-            "status": "ok" if s.alive else "died", "error": s.error, "retried_elsewhere": s.handed_back}
+            "status": "ok" if s.alive else "died", "error": s.error, "retried_elsewhere": s.handed_back,
+            "restarts": s.restarts, "raised": s.raised}
 
 
 # ---- opening a pool ---------------------------------------------------------------------------

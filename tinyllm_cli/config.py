@@ -49,6 +49,8 @@ class ParallelConfig:
     ray_address: str | None = None  # None: start a local instance when workers > 1; 'auto'; HOST:PORT; 'local'
     worker_cpus: float = 1.0  # CPUs each worker reserves; also its torch thread count
     worker_gpus: float = 0.0
+    max_attempts: int = 3  # failures with a request alone aboard a worker before it is answered with an error
+    max_restarts: int = 2  # dead workers replaced by new ones, over the pool's life
 
 
 @dataclass
@@ -276,6 +278,9 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
     par = cfg.parallel
     if par.workers < 1:
         raise UsageError(f"parallel.workers{at('parallel.workers', '')} must be at least 1, not {par.workers}")
+    if par.max_attempts < 1 or par.max_restarts < 0:
+        raise UsageError(f"parallel.max_attempts must be at least 1 and parallel.max_restarts at least 0, not "
+                         f"{par.max_attempts} and {par.max_restarts}")
     if not par.worker_cpus > 0 or not par.worker_gpus >= 0:
         raise UsageError(f"parallel.worker_cpus must be > 0 and parallel.worker_gpus >= 0, not "
                          f"{par.worker_cpus} and {par.worker_gpus}")

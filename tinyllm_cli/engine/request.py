@@ -251,6 +251,14 @@ class RequestOutput:
     logprobs: list | None = None  # completion 0's, when asked
     prompt_logprobs: list | None = None
 
+    @classmethod
+    def failed(cls, req: "Request", error: str) -> "RequestOutput":
+        """The answer to a request that never produced a token, because ``error``."""
+        c = Completion(index=0, token_ids=[], text=None, finish_reason="error", seed=req.params.seed)
+        return cls(id=req.id, index=req.index, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+                   token_ids=[], text=None, finish_reason="error", error=error, seed=req.params.seed,
+                   metadata=req.metadata, completions=[c])
+
     @property
     def num_output_tokens(self) -> int:
         """Generated tokens over all completions."""
