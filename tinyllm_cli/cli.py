@@ -82,6 +82,7 @@ SHARED: dict[str, tuple[object, object]] = {
     "worker_gpus": (Annotated[Optional[float], typer.Option("--worker-gpus", help="GPUs per Ray worker.")], None),
     "max_attempts": (Annotated[Optional[int], typer.Option("--max-attempts", help="Ray workers: failures of a request (alone on a worker) before it is answered with an error.")], None),
     "max_restarts": (Annotated[Optional[int], typer.Option("--max-restarts", help="Ray workers: dead workers replaced by new ones, at most.")], None),
+    "insecure": (Annotated[Optional[bool], typer.Option("--ray-insecure/--ray-secure", help="Join a remote Ray cluster without token authentication (off by default).")], None),
     "quiet": (Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")], False),
     "debug": (Annotated[bool, typer.Option("--debug", help="Show tracebacks.")], False),
     "stats_json": (Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")], None),
@@ -93,7 +94,7 @@ GROUPS = {
     "SCHEDULER": ("max_num_seqs", "max_prefill_tokens"),
     "SAMPLING": ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                  "ignore_eos", "n", "logprobs", "prompt_logprobs"),
-    "CLUSTER": ("workers", "ray_address", "worker_cpus", "worker_gpus", "max_attempts", "max_restarts"),
+    "CLUSTER": ("workers", "ray_address", "worker_cpus", "worker_gpus", "max_attempts", "max_restarts", "insecure"),
     "RUN": ("quiet", "debug", "stats_json"),
 }
 NOT_SETTINGS = {"config", "quiet", "debug", "stats_json", "plot"}  # options that are not config keys
@@ -181,7 +182,7 @@ def serve_batch(
 
 @app.command()
 @shared("MODEL", "num_blocks", "kv_memory", "max_model_len", "SCHEDULER", "ray_address", "worker_cpus",
-        "worker_gpus", "max_attempts", "max_restarts", "quiet", "debug", "plot")
+        "worker_gpus", "max_attempts", "max_restarts", "insecure", "quiet", "debug", "plot")
 def bench(
     block_sizes: Annotated[Optional[str], typer.Option("--block-size", help="Comma list, e.g. 8,16,32.")] = None,
     caches: Annotated[str, typer.Option("--cache", help="Comma list of cache kinds: paged,slot.")] = "paged,slot",
@@ -213,9 +214,11 @@ def bench(
     from .plot import prepare
     prepare(opts.plot)
     cfg = opts.config()
-    spec = BenchSpec.parse(block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts,
-                           bench_seed, warmup, chat, cfg, prefix_len, num_prefixes, prefix_modes, baseline, roofline,
-                           profile, repeat, n_values, workers)
+    spec = BenchSpec.parse(cfg, block_sizes=block_sizes, caches=caches, num_prompts=num_prompts, input_len=input_len,
+                           output_len=output_len, range_ratio=range_ratio, prompts=prompts, seed=bench_seed,
+                           warmup=warmup, chat=chat, prefix_len=prefix_len, num_prefixes=num_prefixes,
+                           prefix_cache=prefix_modes, baseline=baseline, roofline=roofline, profile=profile,
+                           repeat=repeat, n_values=n_values, workers=workers)
     if max(spec.workers) > 1:
         from .cluster import require_ray
         require_ray()  # before anything loads

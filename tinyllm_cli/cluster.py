@@ -125,9 +125,12 @@ class Connection:
     address: str
 
 
-def connect(address: str | None, num_cpus: float) -> Connection:
-    """Start a local instance (address None or 'local') or join a cluster ('auto', HOST:PORT)."""
+def connect(address: str | None, num_cpus: float, insecure: bool = False) -> Connection:
+    """Start a local instance (address None or 'local') or join a cluster ('auto', HOST:PORT).
+    Joining requires token authentication (a token this driver can present) unless ``insecure``."""
     local = address in (None, "local")
+    if not local and not insecure:
+        require_token(address)
     if local:
         # Ray's single-machine mode: every Ray process binds and advertises 127.0.0.1 only. Read
         # when ray is imported, and inherited by every process of the instance.
@@ -154,6 +157,21 @@ def connect(address: str | None, num_cpus: float) -> Connection:
             if h is not None:
                 signal.signal(s, h)
     return Connection(ray, local, "local instance" if local else address)
+
+
+def require_token(address: str) -> None:
+    """A remote cluster is joined with a token only: without one the driver would talk to any
+    cluster at that address unauthenticated (and one without auth would accept anybody)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"] != "token":
+        raise UsageError(f"joining the Ray cluster at {address} needs token authentication, but RAY_AUTH_MODE is "
+                         f"{os.environ['RAY_AUTH_MODE']!r}; set it to token (or pass --ray-insecure to join without)")
+    have = (os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(os.environ.get("RAY_AUTH_TOKEN_PATH", ""))
+            or os.path.isfile(os.path.expanduser("~/.ray/auth_token")))
+    if not have:
+        raise UsageError(f"joining the Ray cluster at {address} needs its token: set RAY_AUTH_TOKEN or "
+                         f"RAY_AUTH_TOKEN_PATH, or copy it to ~/.ray/auth_token (or pass --ray-insecure to join "
+                         f"a cluster without authentication)")
 
 
 class captured_stderr:
@@ -554,7 +572,7 @@ def start_pool(cfg: Config, quiet: bool) -> tuple[Runtime, WorkerPool]:
     par = cfg.parallel
     require_ray()  # the missing extra is a usage error before anything loads
     t0 = time.perf_counter()
-    conn = connect(par.ray_address, par.workers * par.worker_cpus)
+    conn = connect(par.ray_address, par.workers * par.worker_cpus, par.insecure)
     try:
         ck = load_checkpoint(cfg.model, not quiet, cfg.quant)
         pool = WorkerPool(conn, ck, cfg)

@@ -51,6 +51,7 @@ class ParallelConfig:
     worker_gpus: float = 0.0
     max_attempts: int = 3  # failures with a request alone aboard a worker before it is answered with an error
     max_restarts: int = 2  # dead workers replaced by new ones, over the pool's life
+    insecure: bool = False  # join a remote cluster without token authentication (never the default)
 
 
 @dataclass

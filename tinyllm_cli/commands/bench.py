@@ -57,8 +57,9 @@ class BenchSpec:
     n_values: tuple[int, ...] = (1,)
 
     @classmethod
-    def parse(cls, block_sizes, caches, num_prompts, input_len, output_len, range_ratio, prompts, seed,
-              warmup, chat, cfg: Config, prefix_len: int = 0, num_prefixes: int = 1,
+    def parse(cls, cfg: Config, *, block_sizes: str | None, caches: str, num_prompts: int, input_len: int,
+              output_len: int, range_ratio: float, prompts: str | None, seed: int, warmup: bool, chat: bool,
+              prefix_len: int = 0, num_prefixes: int = 1,
               prefix_cache: str = "on", baseline: str | None = None, roofline: bool = False,
               profile: bool = False, repeat: int = 1, n_values: str | None = None,
               workers: str | None = None) -> "BenchSpec":
@@ -85,9 +86,11 @@ class BenchSpec:
         if (baseline or roofline or profile) and (1 not in counts or cfg.parallel.ray_address is not None):
             raise UsageError("--baseline, --roofline and --profile measure the in-process engine: "
                              "include 1 in --workers (without --ray-address)")
-        return cls(sizes, kinds, num_prompts, input_len, output_len, range_ratio, prompts, seed, warmup, chat,
-                   prefix_len, num_prefixes, tuple(modes[m] for m in picked), baseline, roofline, profile,
-                   repeat, workers=counts, n_values=ns)
+        return cls(block_sizes=sizes, caches=kinds, num_prompts=num_prompts, input_len=input_len,
+                   output_len=output_len, range_ratio=range_ratio, prompts=prompts, seed=seed, warmup=warmup,
+                   chat=chat, prefix_len=prefix_len, num_prefixes=num_prefixes,
+                   prefix_modes=tuple(modes[m] for m in picked), baseline=baseline, roofline=roofline,
+                   profile=profile, repeat=repeat, workers=counts, n_values=ns)
 
     def combos(self) -> list[tuple[str, int, bool, int]]:
         out = []
