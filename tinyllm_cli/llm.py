@@ -135,7 +135,7 @@ class LLM:
         return out
 
     def run(self, requests: Iterable[Request], *, max_pending: int | None = None,
-            use_tqdm: bool = False, total: int | None = None) -> Iterator[RequestOutput]:
+            use_tqdm: bool = False, total: int | None = None, desc: str = "generate") -> Iterator[RequestOutput]:
         """One run over ``requests`` (fed lazily): outputs as they finish. ``stats`` describes it
         once the iterator is exhausted (or closed)."""
         self._check_open()
@@ -143,7 +143,7 @@ class LLM:
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=total, unit="req", desc="generate", file=sys.stderr, dynamic_ncols=True)
+            bar = tqdm(total=total, unit="req", desc=desc, file=sys.stderr, dynamic_ncols=True)
         try:
             for out in self.engine.run(requests, max_pending):
                 if bar is not None:
