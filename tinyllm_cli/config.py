@@ -30,7 +30,7 @@ class CacheConfig:
     kind: str = "paged"
     block_size: int = 16
     num_blocks: int | None = None  # wins over kv_memory when set
-    kv_memory: str = "512MiB"
+    kv_memory: str = "auto"  # bytes ("2GiB"), or auto: max_num_seqs x max_model_len tokens, capped by free memory
     max_model_len: int = 2048
     prefix_caching: bool = True  # paged only: reuse K/V blocks of shared prompt prefixes
     attention: str = "auto"  # kernel (CPU: every row of a step reads K/V in the blocks), gather (SDPA on copies), auto
@@ -299,7 +299,8 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         raise UsageError(f"device{at('device', '')} must be auto, cpu, cuda or cuda:N, not {cfg.device!r}")
     from .cache.kv import CacheError, parse_bytes
     try:
-        parse_bytes(c.kv_memory)
+        if c.kv_memory != "auto":
+            parse_bytes(c.kv_memory)
     except CacheError as e:
         raise UsageError(f"cache.kv_memory{at('cache.kv_memory', '')}: {e}")
     except (ValueError, OverflowError):  # nan / inf get past parse_bytes' own check

@@ -37,6 +37,7 @@ def run_table(s: dict, title: str = "run") -> Table:
         ("output tok/s", f"{s['output_tokens_per_s']:.1f}"),
         ("total tok/s", f"{s['total_tokens_per_s']:.1f}"),
         ("cache", f"{s['cache_kind']}  {s['num_blocks']} x {s['block_size']} tok  ({_mib(s['kv_bytes'])})"),
+        ("KV pool sized by", s.get("kv_sizing") or "-"),
         ("peak running seqs", str(s["peak_running"])),
         ("peak blocks used", f"{s['peak_blocks_used']} / {s['num_blocks']}"),
         ("block utilization mean / peak", f"{s['mean_block_utilization']:.1%} / {s['peak_block_utilization']:.1%}"),

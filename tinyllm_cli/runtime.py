@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.kv import CacheError, PagedKVCache, SlotKVCache, parse_bytes, token_bytes
+from .cache.kv import CacheError, PagedKVCache, SlotKVCache, available_memory, parse_bytes, token_bytes
 from .config import Config
 from .engine.engine import LLMEngine
 from .errors import TinyLLMError, UsageError
@@ -130,28 +130,55 @@ def runtime_from_checkpoint(ck: Checkpoint, where: Placement, t0: float) -> Runt
     return Runtime.of_model(model, ck, where.device, where.dtype, time.perf_counter() - t0)
 
 
-def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K/V both cache kinds get: num_blocks x block_size tokens when given, else kv_memory."""
-    c = cfg.cache
+# ``kv_memory: auto`` takes at most this share of the memory available when the pool is built
+# (split between the workers of a cluster, which may share a machine).
+KV_AUTO_FRACTION = 0.5
+
+
+@dataclass
+class KVBudget:
+    bytes: int
+    how: str  # how it was chosen, for the run table and --stats-json
+
+
+def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVBudget:
+    """Bytes of K/V both cache kinds get: num_blocks x block_size tokens when given, else
+    kv_memory; ``auto`` (the default) sizes the pool for ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens of this model, capped by the memory actually available."""
+    c, per_token = cfg.cache, token_bytes(model_cfg, dtype)
     if c.num_blocks is not None:
-        return c.num_blocks * c.block_size * token_bytes(model_cfg, dtype)
-    return parse_bytes(c.kv_memory)
+        return KVBudget(c.num_blocks * c.block_size * per_token, f"num_blocks {c.num_blocks}")
+    if c.kv_memory != "auto":
+        return KVBudget(parse_bytes(c.kv_memory), f"kv_memory {c.kv_memory}")
+    max_len = min(c.max_model_len, model_cfg.max_position_embeddings)
+    seqs = cfg.scheduler.max_num_seqs
+    need = seqs * max_len * per_token
+    avail = available_memory(torch.device(device))
+    cap = int(avail * KV_AUTO_FRACTION / cfg.parallel.workers)
+    size = max(min(need, cap), max_len * per_token)  # never less than one whole sequence
+    how = f"auto: {seqs} seqs x {max_len} tokens x {per_token} B = {need / 2**30:.2f} GiB"
+    if need > cap:
+        how += f", capped at {KV_AUTO_FRACTION:.0%} of the {avail / 2**30:.1f} GiB available"
+    return KVBudget(size, how)
 
 
 def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
     c, mcfg = cfg.cache, rt.model_cfg
     max_len = min(c.max_model_len, mcfg.max_position_embeddings)
+    budget = kv_budget(cfg, mcfg, rt.dtype, rt.device)
     try:
         if c.kind == "slot":
-            return SlotKVCache.from_budget(mcfg, kv_budget(cfg, mcfg, rt.dtype), max_len, rt.dtype, rt.device,
-                                           attention=c.attention)
-        if c.num_blocks is not None:
-            return PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device,
-                                prefix_caching=c.prefix_caching, attention=c.attention)
-        return PagedKVCache.from_budget(mcfg, parse_bytes(c.kv_memory), c.block_size, rt.dtype, rt.device,
-                                        prefix_caching=c.prefix_caching, attention=c.attention)
+            cache = SlotKVCache.from_budget(mcfg, budget.bytes, max_len, rt.dtype, rt.device, attention=c.attention)
+        elif c.num_blocks is not None:
+            cache = PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device,
+                                 prefix_caching=c.prefix_caching, attention=c.attention)
+        else:
+            cache = PagedKVCache.from_budget(mcfg, budget.bytes, c.block_size, rt.dtype, rt.device,
+                                             prefix_caching=c.prefix_caching, attention=c.attention)
     except CacheError as e:
         raise UsageError(str(e))
+    cache.sizing = budget.how
+    return cache
 
 
 def make_engine(cfg: Config, rt: Runtime) -> LLMEngine:

@@ -184,7 +184,7 @@ def sweep(spec: BenchSpec, cfg: Config, quiet: bool) -> tuple[list[dict], dict, 
             if workload is None:
                 workload = workload_for(spec, llm)
                 sized = dataclasses.replace(cfg.cache, block_size=spec.block_sizes[0])
-                budget = kv_budget(dataclasses.replace(cfg, cache=sized), rt.model_cfg, rt.dtype)
+                budget = kv_budget(dataclasses.replace(cfg, cache=sized), rt.model_cfg, rt.dtype, rt.device).bytes
                 described = rt.describe()
             got, first_tokens = timed_rows(spec, llm, wcfg, budget, workload, quiet)
             if parallel:

@@ -112,6 +112,7 @@ class RunStats:
             "total_tokens_per_s": round((self.prompt_tokens + self.output_tokens) / el, 2),
             "cache_kind": self.cache_kind, "block_size": self.block_size, "num_blocks": self.num_blocks,
             "attention": getattr(self.cache, "attention", None),
+            "kv_sizing": getattr(self.cache, "sizing", None),
             "kv_bytes": self.kv_bytes, "max_num_seqs": self.max_num_seqs,
             "steps": len(self.steps),
             "peak_running": max((s.running for s in self.steps), default=0),
