@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -19,6 +20,8 @@ from tinyllm_cli.cache import block_keys
 from tinyllm_cli.cache.allocator import ROOT_SERIAL, BlockPool
 from tinyllm_cli.cache.block_keys import ROOT, prefix_salt
 from tinyllm_cli.cache.kv import PagedKVCache
+from tinyllm_cli.config import Config
+from tinyllm_cli.runtime import Runtime, make_cache
 
 from test_cache_props import CFG
 from test_parallel_sampling import fork_simulation
@@ -92,6 +95,20 @@ def test_keys_do_not_depend_on_the_process():
     outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
                            capture_output=True, text=True).stdout.strip() for seed in ("1", "2")}
     assert outs == {b"".join(chain_keys(cache(), list(range(3, 19)))).hex()}
+
+
+@pytest.mark.parametrize("num_blocks", [8, None])  # sized in blocks, or from kv_memory
+def test_runtime_salts_caches_with_the_model_name(num_blocks):
+    def rt(name):
+        model = SimpleNamespace(cfg=CFG, gemm="torch", quant="none")
+        return Runtime(model, None, name, torch.device("cpu"), torch.float32, 0.0)
+
+    cfg = Config()
+    cfg.cache.prefix_caching, cfg.cache.num_blocks, cfg.cache.block_size = True, num_blocks, 4
+    cfg.cache.kv_memory = "4KiB"
+    a, b, a2 = make_cache(cfg, rt("model-a")), make_cache(cfg, rt("model-b")), make_cache(cfg, rt("model-a"))
+    assert a.salt == a2.salt != b.salt
+    assert chain_keys(a, list(range(8))) != chain_keys(b, list(range(8)))
 
 
 # ---- forced collisions never give a false hit ----------------------------------------------------

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.kv import CacheError, PagedKVCache, SlotKVCache, parse_bytes, token_bytes
+from .cache.kv import CacheError, PagedKVCache, SlotKVCache, parse_bytes, prefix_salt, token_bytes
 from .config import Config
 from .engine.engine import LLMEngine
 from .errors import TinyLLMError, UsageError
@@ -107,6 +107,7 @@ def kv_budget(cfg: Config, model_cfg, dtype) -> int:
 
 def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
     c, mcfg = cfg.cache, rt.model.cfg
+    salt = prefix_salt(mcfg, rt.dtype, rt.describe())  # prefix-cache keys name the model, dtype, gemm, quant
     max_len = min(c.max_model_len, mcfg.max_position_embeddings)
     try:
         if c.kind == "slot":
@@ -114,9 +115,9 @@ def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
                                            attention=c.attention)
         if c.num_blocks is not None:
             return PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device,
-                                prefix_caching=c.prefix_caching, attention=c.attention)
+                                prefix_caching=c.prefix_caching, attention=c.attention, salt=salt)
         return PagedKVCache.from_budget(mcfg, parse_bytes(c.kv_memory), c.block_size, rt.dtype, rt.device,
-                                        prefix_caching=c.prefix_caching, attention=c.attention)
+                                        prefix_caching=c.prefix_caching, attention=c.attention, salt=salt)
     except CacheError as e:
         raise UsageError(str(e))
 
