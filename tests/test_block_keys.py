@@ -138,7 +138,7 @@ def test_an_evicted_entry_is_not_mistaken_for_its_successor():
     k0, k1 = OTHER, REAL(OTHER, OTHER, z)
     first = pool.register(b0, k0, ROOT_SERIAL, x)
     pool.register(b1, k1, first, z)
-    assert pool.lookup(k1, first, z) == (b1, pool.key_of[b1].serial)
+    assert pool.lookup(k1, first, z) == (b1, pool.key_of[b1][3])
     pool.release([b0])
     pool.release([b1])
     (again,) = pool.allocate(1)

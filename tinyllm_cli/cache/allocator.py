@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from itertools import count
-from typing import NamedTuple
 
 
 class BlockError(RuntimeError):
@@ -63,17 +62,6 @@ class BlockAllocator:
 ROOT_SERIAL = 0  # the parent entry of a sequence's first block
 
 
-class CachedBlock(NamedTuple):
-    """What a cached block holds: the K/V of ``tokens`` computed after the prefix that the
-    entry numbered ``parent`` holds. ``serial`` numbers this entry; serials are never reused,
-    so an entry whose block was evicted cannot be mistaken for a later one."""
-
-    key: bytes
-    parent: int
-    tokens: bytes
-    serial: int
-
-
 class BlockPool:
     """Reference-counted blocks over a ``BlockAllocator``, with optional prefix caching.
 
@@ -87,18 +75,23 @@ class BlockPool:
     way; ``fork_refs`` counts the extra references they took that are still held, per block
     (references are interchangeable, so a release lowers it to at most ``ref - 1``).
 
+    A cached block's entry ``(key, parent, tokens, serial)`` says it holds the K/V of ``tokens``
+    computed after the prefix that the entry numbered ``parent`` holds (``ROOT_SERIAL``: none).
+    Serials are never reused, so an entry whose block was evicted cannot be mistaken for a later
+    one. (Entries are plain tuples: a NamedTuple's constructor cost a tenth of admission time.)
+
     Invariants: ``ref[b] > 0`` exactly for blocks in some table; evictable blocks have ``ref 0``
-    and an entry. An entry holds exactly the prefix of its parent entry plus its own tokens (by
-    induction: a sequence registers a block only under the entry that holds its own previous
-    block), and a lookup only returns a block whose stored tokens and parent *entry* (not parent
-    key) match the query's, so a hit holds the query's whole prefix even when keys collide.
+    and an entry. An entry holds exactly its parent entry's prefix plus its own tokens (a
+    sequence registers a block only under the entry that holds its own previous block), and a
+    lookup only returns a block whose stored tokens and parent *entry* (not parent key) match
+    the query's; so, by induction, a hit holds the query's whole prefix even when keys collide.
     """
 
     def __init__(self, num_blocks: int, caching: bool = False):
         self.allocator = BlockAllocator(num_blocks)
         self.caching = caching
         self.ref = [0] * num_blocks
-        self.key_of: dict[int, CachedBlock] = {}  # block -> what it holds
+        self.key_of: dict[int, tuple[bytes, int, bytes, int]] = {}  # block -> its entry
         self.by_key: dict[bytes, int] = {}  # key -> the block that holds it
         self._serials = count(ROOT_SERIAL + 1)
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -166,10 +159,10 @@ class BlockPool:
         b = self.by_key.get(key)
         if b is None:
             return None
-        e = self.key_of[b]
+        _, p, toks, serial = self.key_of[b]
         # The key only finds the candidate; comparing the entry itself is what makes a key
         # collision (or a forced one in tests) a miss instead of someone else's K/V.
-        return (b, e.serial) if e.parent == parent and e.tokens == tokens else None
+        return (b, serial) if p == parent and toks == tokens else None
 
     def register(self, b: int, key: bytes, parent: int, tokens: bytes) -> int | None:
         """Cache block ``b`` as holding ``tokens`` after entry ``parent``. Returns the serial of
@@ -182,16 +175,16 @@ class BlockPool:
         e = self.key_of.get(holder)
         if e is None:  # a new key on an unregistered block
             serial = next(self._serials)
-            self.key_of[b] = CachedBlock(key, parent, tokens, serial)
+            self.key_of[b] = (key, parent, tokens, serial)
             self.by_key[key] = b
             return serial
         # Identical content already cached under another block: keep that one, chain through it.
-        same = e.key == key and e.parent == parent and e.tokens == tokens
-        return e.serial if same else None
+        k, p, toks, serial = e
+        return serial if k == key and p == parent and toks == tokens else None
 
     def _forget(self, b: int) -> None:
         # Entries that chained from this one keep its serial, which no later entry gets: they
         # become unreachable (and are evicted in turn) rather than extend a different prefix.
-        e = self.key_of.pop(b)
-        if self.by_key.get(e.key) == b:
-            del self.by_key[e.key]
+        key = self.key_of.pop(b)[0]
+        if self.by_key.get(key) == b:
+            del self.by_key[key]
