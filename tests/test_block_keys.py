@@ -125,6 +125,13 @@ def test_collision_on_a_parent_does_not_adopt_another_prefix(mode):
             c.try_admit(sid, toks)
             c.commit(sid, toks, len(toks))
         assert c.try_admit(2, x + w + [9]) <= bs  # never B's second block
+        for sid in (0, 1):  # a chain cut by a collision registers nothing from the cut on
+            serials = [s for _, s in c.chains[sid]]
+            cut = serials.index(None) if None in serials else len(serials)
+            assert len(serials) in (cut, cut + 1)
+            assert not any(b in c.pool.key_of for b in c.tables[sid][cut:])
+        if mode in ("constant", "first_block"):  # these always cut B's chain at its first block
+            assert c.chains[1] and c.chains[1][0][1] is None
         if mode != "constant":  # an exact repeat still hits wherever its keys are distinct
             assert c.try_admit(3, x + z + [9]) >= bs
 
