@@ -130,14 +130,16 @@ def check_fork_invariants(cache: PagedKVCache, sched: Scheduler, history: dict) 
         assert s.seq_id not in cache.tables and s.num_cached == 0
 
 
-def fork_simulation(cache, reqs, max_num_seqs, budget, draws, strict):
+def fork_simulation(cache, reqs, max_num_seqs, budget, draws, strict,
+                    prompt=lambda i, plen: [t % 7 for t in range(plen)]):
     """As the engine does, with random tokens (so forks diverge). A write stores, in the real K
     pool, the id of the token history whose K/V the slot would hold (so copies on write move
-    it like real K/V); ``strict``: no written block has another holder."""
+    it like real K/V); ``strict``: no written block has another holder. ``prompt(i, plen)``:
+    request i's prompt."""
     sched = Scheduler(cache, max_num_seqs, budget)
     ids, rng = iter(range(10_000)), random.Random(draws)
     for i, (plen, new, n) in enumerate(reqs):
-        r = Request(str(i), [t % 7 for t in range(plen)], SamplingParams(max_new_tokens=new, n=n))
+        r = Request(str(i), prompt(i, plen), SamplingParams(max_new_tokens=new, n=n))
         seqs = [Sequence(next(ids), r, 0, list(r.prompt_token_ids), plen, fork=j) for j in range(n)]
         g = Group(r, seqs)
         for s in seqs:

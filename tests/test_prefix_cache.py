@@ -4,17 +4,20 @@ reference counts must follow their users exactly."""
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import tinyllm_cli.cache.kv as kv
 from tinyllm_cli.cache.kv import PagedKVCache
 from tinyllm_cli.engine.engine import LLMEngine
 from tinyllm_cli.engine.request import Request, SamplingParams, Sequence, Status
 from tinyllm_cli.engine.scheduler import Scheduler
 from tinyllm_cli.model.llama import ModelConfig
 
+from test_block_keys import COLLIDING
 from test_engine import reference_greedy
 
 
@@ -88,13 +91,20 @@ def test_recompute_after_preemption_reuses_own_blocks(tiny_model):
     assert [o.token_ids for o in outs] == [reference_greedy(tiny_model, r.prompt_token_ids, 30) for r in (a, b)]
 
 
-def test_hash_collision_is_a_miss(tiny_model, monkeypatch):
-    # Force every block to the same hash: tokens are verified on lookup, so results stay right.
-    import tinyllm_cli.cache.kv as kv
-    monkeypatch.setattr(kv, "hash", lambda _: 42, raising=False)
-    reqs = shared_prefix_requests(seed=1)
-    refs = [reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens) for r in reqs]
-    outs, _ = run(tiny_model, reqs, caching=True)
+@pytest.mark.parametrize("mode", sorted(COLLIDING))
+def test_forced_key_collisions_keep_outputs_exact(tiny_model, mode):
+    # Block keys forced to collide (test_block_keys.COLLIDING): hits are checked against the
+    # stored tokens and parent entry, so outputs stay those of computing everything. In blocks
+    # of 4, x + w meets x's cached block, then the block y + w cached for w: reusing it would
+    # attend to K/V computed after y (what the old hash-chained keys did on a collision).
+    rng = random.Random(3)
+    x, y, z, w = ([rng.randrange(3, 320) for _ in range(4)] for _ in range(4))  # a block each
+    prompts = [x + z + [5], y + w + [6], x + w + [7], x + z + [8], y + w + [9]]
+    reqs = [Request(str(i), p, SamplingParams(max_new_tokens=5, ignore_eos=True), index=i)
+            for i, p in enumerate(prompts)]
+    refs = [reference_greedy(tiny_model, p, 5) for p in prompts]
+    with mock.patch.object(kv, "block_key", COLLIDING[mode]):
+        outs, _ = run(tiny_model, reqs, caching=True, max_num_seqs=1)
     assert [o.token_ids for o in outs] == refs
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.kv import CacheError, PagedKVCache, SlotKVCache, available_memory, parse_bytes, token_bytes
+from .cache.kv import CacheError, PagedKVCache, SlotKVCache, available_memory, parse_bytes, prefix_salt, token_bytes
 from .config import Config
 from .engine.engine import LLMEngine
 from .errors import TinyLLMError, UsageError
@@ -164,6 +164,7 @@ def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype, device: t
 
 def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
     c, mcfg = cfg.cache, rt.model_cfg
+    salt = prefix_salt(mcfg, rt.dtype, rt.describe())  # prefix-cache keys name the model, dtype, gemm, quant
     max_len = min(c.max_model_len, mcfg.max_position_embeddings)
     budget = kv_budget(cfg, mcfg, rt.dtype, rt.device)
     try:
@@ -171,10 +172,10 @@ def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
             cache = SlotKVCache.from_budget(mcfg, budget.bytes, max_len, rt.dtype, rt.device, attention=c.attention)
         elif c.num_blocks is not None:
             cache = PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device,
-                                 prefix_caching=c.prefix_caching, attention=c.attention)
+                                 prefix_caching=c.prefix_caching, attention=c.attention, salt=salt)
         else:
             cache = PagedKVCache.from_budget(mcfg, budget.bytes, c.block_size, rt.dtype, rt.device,
-                                             prefix_caching=c.prefix_caching, attention=c.attention)
+                                             prefix_caching=c.prefix_caching, attention=c.attention, salt=salt)
     except CacheError as e:
         raise UsageError(str(e))
     cache.sizing = budget.how

@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import count
 
 
 class BlockError(RuntimeError):
@@ -58,29 +59,41 @@ class BlockAllocator:
         return self._free[::-1]
 
 
+ROOT_SERIAL = 0  # the parent entry of a sequence's first block
+
+
 class BlockPool:
     """Reference-counted blocks over a ``BlockAllocator``, with optional prefix caching.
 
-    With caching on, every full block may be registered under a hash chained from its parent's
-    hash and its own token ids. A block whose last user leaves keeps its contents and hash and
-    becomes *evictable*: it still counts as free space, but a later request with the same prefix
-    can take it back. Fresh blocks are handed out first; only then is the least recently
-    released evictable block reused (and its hash forgotten).
+    With caching on, every full block may be registered under its key (``block_keys``: a digest
+    chained from its parent's key and its own token ids). A block whose last user leaves keeps
+    its contents and key and becomes *evictable*: it still counts as free space, but a later
+    request with the same prefix can take it back. Fresh blocks are handed out first; only then
+    is the least recently released evictable block reused (and its entry forgotten).
 
     Forks of one request (parallel sampling) take references on their parent's blocks the same
     way; ``fork_refs`` counts the extra references they took that are still held, per block
     (references are interchangeable, so a release lowers it to at most ``ref - 1``).
 
+    A cached block's entry ``(key, parent, tokens, serial)`` says it holds the K/V of ``tokens``
+    computed after the prefix that the entry numbered ``parent`` holds (``ROOT_SERIAL``: none).
+    Serials are never reused, so an entry whose block was evicted cannot be mistaken for a later
+    one. (Entries are plain tuples: a NamedTuple's constructor cost a tenth of admission time.)
+
     Invariants: ``ref[b] > 0`` exactly for blocks in some table; evictable blocks have ``ref 0``
-    and a hash; a lookup only returns a block whose stored tokens and parent hash match.
+    and an entry. An entry holds exactly its parent entry's prefix plus its own tokens (a
+    sequence registers a block only under the entry that holds its own previous block), and a
+    lookup only returns a block whose stored tokens and parent *entry* (not parent key) match
+    the query's; so, by induction, a hit holds the query's whole prefix even when keys collide.
     """
 
     def __init__(self, num_blocks: int, caching: bool = False):
         self.allocator = BlockAllocator(num_blocks)
         self.caching = caching
         self.ref = [0] * num_blocks
-        self.key_of: dict[int, tuple] = {}  # block -> (hash, parent hash, tokens)
-        self.by_hash: dict[int, int] = {}
+        self.key_of: dict[int, tuple[bytes, int, bytes, int]] = {}  # block -> its entry
+        self.by_key: dict[bytes, int] = {}  # key -> the block that holds it
+        self._serials = count(ROOT_SERIAL + 1)
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.shared_extra = 0  # sum over blocks of max(0, ref - 1)
         self.num_shared = 0  # blocks with ref > 1 (kept with shared_extra: a pool may be large)
@@ -141,20 +154,37 @@ class BlockPool:
         self.ref[b] += 1
         self.peak_active = max(self.peak_active, self.num_active)
 
-    def lookup(self, h: int, parent: int | None, tokens: tuple) -> int | None:
-        b = self.by_hash.get(h)
+    def lookup(self, key: bytes, parent: int, tokens: bytes) -> tuple[int, int] | None:
+        """The cached block holding ``tokens`` after entry ``parent``, with its entry's serial."""
+        b = self.by_key.get(key)
         if b is None:
             return None
-        _, p, toks = self.key_of[b]
-        return b if p == parent and toks == tokens else None  # a hash collision is a miss
+        _, p, toks, serial = self.key_of[b]
+        # The key only finds the candidate; comparing the entry itself is what makes a key
+        # collision (or a forced one in tests) a miss instead of someone else's K/V.
+        return (b, serial) if p == parent and toks == tokens else None
 
-    def register(self, b: int, h: int, parent: int | None, tokens: tuple) -> None:
-        if not self.caching or b in self.key_of or h in self.by_hash:
-            return  # identical content already cached under another block: keep that one
-        self.key_of[b] = (h, parent, tokens)
-        self.by_hash[h] = b
+    def register(self, b: int, key: bytes, parent: int, tokens: bytes) -> int | None:
+        """Cache block ``b`` as holding ``tokens`` after entry ``parent``. Returns the serial of
+        the entry that now holds this content (a new one, or the one already cached under
+        ``key``), or None when ``key`` is taken by other content (a collision): the caller's
+        chain ends there, since no entry stands for its block to chain later blocks from."""
+        if not self.caching:
+            return None
+        holder = self.by_key.get(key, b)
+        e = self.key_of.get(holder)
+        if e is None:  # a new key on an unregistered block
+            serial = next(self._serials)
+            self.key_of[b] = (key, parent, tokens, serial)
+            self.by_key[key] = b
+            return serial
+        # Identical content already cached under another block: keep that one, chain through it.
+        k, p, toks, serial = e
+        return serial if k == key and p == parent and toks == tokens else None
 
     def _forget(self, b: int) -> None:
-        h, _, _ = self.key_of.pop(b)
-        if self.by_hash.get(h) == b:
-            del self.by_hash[h]
+        # Entries that chained from this one keep its serial, which no later entry gets: they
+        # become unreachable (and are evicted in turn) rather than extend a different prefix.
+        key = self.key_of.pop(b)[0]
+        if self.by_key.get(key) == b:
+            del self.by_key[key]

@@ -24,6 +24,12 @@ Invariants (checked by the property tests):
   every block; the first write into a block that is still shared copies it first (copy on write,
   in ``grow``), so **no shared block is ever written**. Only the last, partly filled block can
   need it: full blocks are never written again. Releasing a fork frees only what it alone holds.
+- Prefix caching: a prefix hit on block j reuses K/V only when the cached block was computed
+  after exactly the query's tokens ``0 .. (j+1) * block_size - 1``. Keys are sha256 digests
+  chained through a sequence's *own* earlier blocks and salted with the model and dtype
+  (``block_keys``), so a key names one whole prefix of one model; and since a digest is only a
+  name, a hit is also checked against the stored tokens and parent entry, so not even a key
+  collision can hand one prompt's K/V to another.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ import torch
 
 from ..model.llama import ModelConfig
 from ..transfer import to_device
-from .allocator import BlockPool
+from .allocator import ROOT_SERIAL, BlockPool
+from .block_keys import ROOT, TOKEN_BYTES, as_salt, block_key, encode_tokens, prefix_salt
 from .attention import DecodeRows, KernelRows, PrefillSegment, StepAttention, chunk_mask, resolve_attention
 
 
@@ -114,7 +121,7 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, scratch_slots: int | None = None, prefix_caching: bool = False,
-                 attention: str = "auto"):
+                 attention: str = "auto", salt: bytes | None = None):
         if block_size <= 0 or num_blocks <= 0:
             raise CacheError("block_size and num_blocks must be positive")
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
@@ -146,7 +153,13 @@ class PagedKVCache:
         self.allocator = self.pool.allocator
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
-        self.hashes: dict[int, list[int]] = {}  # per sequence: chained hash of each full block
+        # Prefix-cache keys are salted per model and dtype; without a salt, the config and dtype
+        # alone still tell models apart deterministically (the runtime adds the model's name).
+        self.salt = as_salt(prefix_salt(cfg, dtype) if salt is None else salt)
+        # Per sequence, for each full block that is in the prefix cache: (its key, the serial of
+        # the pool entry holding it). Built only from the sequence's own tokens; a block that
+        # could not be cached (key collision) ends the list and the sequence's caching.
+        self.chains: dict[int, list[tuple[bytes, int | None]]] = {}
         self.prefix_queries = 0  # prompt tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens whose K/V were reused
         self.forks = 0  # sequences forked from a parent (parallel sampling)
@@ -189,14 +202,14 @@ class PagedKVCache:
         """
         if seq_id in self.tables:
             raise CacheError(f"sequence {seq_id} is already in the cache")
-        hits, hashes = self._prefix_hits(tokens) if use_prefix else ([], [])
+        hits, chain = self._prefix_hits(tokens) if use_prefix else ([], [])
         reclaimed = sum(self.pool.ref[b] == 0 for b in hits)  # evictable hits stop being free
         if self.blocks_for(len(tokens) + 1) + forks - len(hits) > self.pool.num_free - reclaimed:
             return None
         for b in hits:
             self.pool.share(b)
         self.tables[seq_id] = hits + self.pool.allocate(self.blocks_for(len(tokens)) - len(hits))
-        self.hashes[seq_id] = hashes
+        self.chains[seq_id] = chain
         cached = len(hits) * self.block_size
         self.lens[seq_id] = cached
         if self.prefix_caching and use_prefix:
@@ -204,22 +217,26 @@ class PagedKVCache:
             self.prefix_hits += cached
         return cached
 
-    def _prefix_hits(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+    def _prefix_hits(self, tokens: list[int]) -> tuple[list[int], list[tuple[bytes, int]]]:
+        """The cached blocks holding the longest whole-block prefix of ``tokens`` (leaving at
+        least one token to compute), and their chain entries."""
         hits: list[int] = []
-        hashes: list[int] = []
+        chain: list[tuple[bytes, int]] = []
         if not self.prefix_caching:
-            return hits, hashes
-        bs, parent = self.block_size, None
-        for j in range((len(tokens) - 1) // bs):
-            key = tuple(tokens[j * bs:(j + 1) * bs])
-            h = hash((parent, key))
-            b = self.pool.lookup(h, parent, key)
-            if b is None:
+            return hits, chain
+        n, width = (len(tokens) - 1) // self.block_size, self.block_size * TOKEN_BYTES
+        data = encode_tokens(tokens[:n * self.block_size])  # once, not per block
+        key, serial = ROOT, ROOT_SERIAL
+        for j in range(n):
+            toks = data[j * width:(j + 1) * width]
+            key = block_key(self.salt, key, toks)
+            found = self.pool.lookup(key, serial, toks)
+            if found is None:
                 break
+            b, serial = found
             hits.append(b)
-            hashes.append(h)
-            parent = h
-        return hits, hashes
+            chain.append((key, serial))
+        return hits, chain
 
     def commit(self, seq_id: int, tokens: list[int], upto: int) -> None:
         """Register the full blocks among positions ``[0, upto)`` (prefix caching).
@@ -227,17 +244,25 @@ class PagedKVCache:
         Called when a step is *planned*, before its forward: a request admitted later in the
         same step may then share these blocks. That is safe because each layer writes the whole
         step's K/V before any sequence reads (``StepAttention.attend``).
+
+        Each block chains from this sequence's own previous block (its key and pool entry),
+        never from whatever block another sequence registered under an equal key.
         """
         if not self.prefix_caching:
             return
-        hashes, table, bs = self.hashes[seq_id], self.tables[seq_id], self.block_size
-        while len(hashes) < upto // bs:
-            j = len(hashes)
-            parent = hashes[-1] if hashes else None
-            key = tuple(tokens[j * bs:(j + 1) * bs])
-            h = hash((parent, key))
-            self.pool.register(table[j], h, parent, key)
-            hashes.append(h)
+        chain, table, bs = self.chains[seq_id], self.tables[seq_id], self.block_size
+        first, last = len(chain), upto // bs
+        if first >= last or (chain and chain[-1][1] is None):
+            return  # nothing new, or the chain was cut by a collision: later blocks stay private
+        key, serial = chain[-1] if chain else (ROOT, ROOT_SERIAL)
+        data, width = encode_tokens(tokens[first * bs:last * bs]), bs * TOKEN_BYTES
+        for i, j in enumerate(range(first, last)):
+            toks = data[i * width:(i + 1) * width]
+            key = block_key(self.salt, key, toks)
+            serial = self.pool.register(table[j], key, serial, toks)
+            chain.append((key, serial))
+            if serial is None:
+                return
 
     def fork(self, parent: int, child: int) -> None:
         """``child`` starts as a copy of ``parent``'s table, sharing every block by reference."""
@@ -248,7 +273,7 @@ class PagedKVCache:
             self.pool.share(b, fork=True)
         self.tables[child] = list(table)
         self.lens[child] = self.lens[parent]
-        self.hashes[child] = list(self.hashes[parent])
+        self.chains[child] = list(self.chains[parent])
         self.forks += 1
 
     def blocks_to_grow(self, seq_id: int, n_tokens: int) -> int:
@@ -302,7 +327,7 @@ class PagedKVCache:
         # (which other requests and this one's recompute can reuse) outlives its tail.
         self.pool.release(self.tables.pop(seq_id)[::-1])
         del self.lens[seq_id]
-        del self.hashes[seq_id]
+        del self.chains[seq_id]
 
     def reserve(self, needs: list[tuple[int, int]]) -> list[int]:
         """Grow each ``(seq_id, n_tokens)`` (oldest first) to hold ``n_tokens`` positions.
