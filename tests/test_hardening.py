@@ -241,25 +241,26 @@ def _truncated_default(tmp: Path, _src) -> Path:
     return out
 
 
+# Every unusable local checkpoint exits 2, like a missing path: nothing ran, the --model was wrong.
 MODEL_CASES = {
     "missing": (lambda tmp, src: tmp / "no-such-model", 2, "not found"),
     "not-a-model-file": (lambda tmp, src: (tmp / "w.bin").write_text("x") and tmp / "w.bin", 2, "neither"),
-    "truncated-gguf": (_truncated_default, 1, "truncated or corrupt"),
-    "empty-gguf": (lambda tmp, src: (tmp / "e.gguf").write_bytes(b"") or tmp / "e.gguf", 1, "empty"),
-    "text-as-gguf": (lambda tmp, src: (tmp / "t.gguf").write_text("hello\n") and tmp / "t.gguf", 1, "not a GGUF"),
-    "gguf-gpt2-arch": (lambda tmp, src: _gguf(tmp / "gpt2.gguf", arch="gpt2"), 1, "architecture 'gpt2'"),
-    "gguf-i32-tensor": (lambda tmp, src: _gguf(tmp / "i32.gguf", dtype=np.int32), 1, "type I32"),
-    "gguf-f64-tensor": (lambda tmp, src: _gguf(tmp / "f64.gguf", dtype=np.float64), 1, "type F64"),
-    "gguf-no-metadata": (lambda tmp, src: _gguf(tmp / "bare.gguf", meta=False), 1, "lacks"),
-    "truncated-safetensors": (lambda tmp, src: _hf_copy(tmp, src, "trunc", truncate=200_000), 1, "truncated"),
-    "tiny-safetensors": (lambda tmp, src: _hf_copy(tmp, src, "tiny", truncate=5), 1, "truncated"),
+    "truncated-gguf": (_truncated_default, 2, "truncated or corrupt"),
+    "empty-gguf": (lambda tmp, src: (tmp / "e.gguf").write_bytes(b"") or tmp / "e.gguf", 2, "empty"),
+    "text-as-gguf": (lambda tmp, src: (tmp / "t.gguf").write_text("hello\n") and tmp / "t.gguf", 2, "not a GGUF"),
+    "gguf-gpt2-arch": (lambda tmp, src: _gguf(tmp / "gpt2.gguf", arch="gpt2"), 2, "architecture 'gpt2'"),
+    "gguf-i32-tensor": (lambda tmp, src: _gguf(tmp / "i32.gguf", dtype=np.int32), 2, "type I32"),
+    "gguf-f64-tensor": (lambda tmp, src: _gguf(tmp / "f64.gguf", dtype=np.float64), 2, "type F64"),
+    "gguf-no-metadata": (lambda tmp, src: _gguf(tmp / "bare.gguf", meta=False), 2, "lacks"),
+    "truncated-safetensors": (lambda tmp, src: _hf_copy(tmp, src, "trunc", truncate=200_000), 2, "truncated"),
+    "tiny-safetensors": (lambda tmp, src: _hf_copy(tmp, src, "tiny", truncate=5), 2, "truncated"),
     "hf-gpt2": (lambda tmp, src: _hf_copy(tmp, src, "gpt2", config=lambda c: c | {"model_type": "gpt2"}),
-                1, "model_type 'gpt2'"),
+                2, "model_type 'gpt2'"),
     "hf-bad-dim": (lambda tmp, src: _hf_copy(tmp, src, "baddim", config=lambda c: c | {"hidden_size": "big"}),
-                   1, "hidden_size"),
+                   2, "hidden_size"),
     "hf-shape-mismatch": (lambda tmp, src: _hf_copy(tmp, src, "shape", config=lambda c: c | {"hidden_size": 128}),
-                          1, "shape"),
-    "hf-config-list": (lambda tmp, src: _hf_copy(tmp, src, "list", config=lambda c: [c]), 1, "JSON object"),
+                          2, "shape"),
+    "hf-config-list": (lambda tmp, src: _hf_copy(tmp, src, "list", config=lambda c: [c]), 2, "JSON object"),
 }
 
 

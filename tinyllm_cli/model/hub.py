@@ -11,6 +11,9 @@ Invariants:
   weight formats. Progress bars are huggingface_hub's, on stderr.
 - Every failure is one sentence (``CheckpointError``, exit 1): offline and not cached, gated,
   not found, unknown revision, no network.
+- A shard name in the index is downloaded only if it is a plain relative file name
+  (``validate.plain_relative``): an index cannot widen the download with wildcards or point it
+  outside the snapshot; the loader then refuses such a name with its own sentence.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..errors import CheckpointError
+from .validate import plain_relative
 
 # Small files first (one call), then exactly the weight files they name (a second call).
 META_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -58,7 +62,7 @@ def _weight_files(snapshot: Path) -> list[str]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (ValueError, KeyError, TypeError, AttributeError, OSError):
         return ["*.safetensors"]  # the loader reports the bad index with its own sentence
-    return [s for s in shards if isinstance(s, str)]
+    return [s for s in shards if isinstance(s, str) and plain_relative(s)]
 
 
 class _QuietTqdm(tqdm):

@@ -108,10 +108,34 @@ def _k4_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([lo[0], hi[0]], -1), np.concatenate([lo[1], hi[1]], -1)
 
 
+def gguf_form(kind: str, n: int, k: int) -> str | None:
+    """The form ``from_gguf`` reads a [n, k] GGUF tensor of type ``kind`` into: 'int8', 'int4',
+    or None where this module has no exact int4 / int8 form for the type or shape."""
+    if k % GROUP or n % 16:
+        return None
+    if kind == "Q8_0":
+        return "int8"
+    if kind in ("Q4_0", "Q4_1") or (kind == "Q4_K" and k % 256 == 0):
+        return "int4"
+    return None
+
+
+def held_bytes(kind: str, n: int, k: int) -> int | None:
+    """Bytes ``from_gguf``'s result holds (None where it returns None), computed from the shape
+    alone so the loader can weigh a model before reading it: int8 codes plus a float32 scale per
+    row; 4-bit codes one per uint8 plus a float32 scale and min per group of 32."""
+    form = gguf_form(kind, n, k)
+    if form == "int8":
+        return n * k + 4 * n
+    if form == "int4":
+        return n * k + 2 * 4 * n * (k // GROUP)
+    return None
+
+
 def from_gguf(raw: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | Int8Rows | None:
     """Read a GGUF tensor's raw blocks (uint8 [n, bytes per row]) into a quantized form, or None
-    where this module has no exact int4 / int8 form for the type or shape."""
-    if k % GROUP or n % 16:
+    where this module has no exact int4 / int8 form for the type or shape (``gguf_form``)."""
+    if gguf_form(kind, n, k) is None:
         return None
     raw = np.asarray(raw, dtype=np.uint8)
     if kind == "Q8_0":
@@ -128,8 +152,6 @@ def from_gguf(raw: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | Int8R
         low = -8 * d if kind == "Q4_0" else _f16(b, 2)
         return _qw(codes, d, low, n, k)
     if kind == "Q4_K":
-        if k % 256:
-            return None
         b = raw.reshape(n, k // 256, 144)
         d, dmin = _f16(b, 0), _f16(b, 2)
         sc, mn = _k4_scales(b[..., 4:16])
@@ -138,7 +160,7 @@ def from_gguf(raw: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | Int8R
         scale = (d[..., None] * sc).reshape(n, k // 32)
         low = (-dmin[..., None] * mn).reshape(n, k // 32)
         return _qw(codes, scale, low, n, k)
-    return None
+    raise AssertionError(f"gguf_form admitted {kind}")  # the two functions must list the same types
 
 
 def _qw(codes: np.ndarray, scale: np.ndarray, low: np.ndarray, n: int, k: int) -> QuantWeight:
