@@ -4,8 +4,11 @@ both dense-op paths against a no-cache recompute."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -252,21 +255,131 @@ def test_disabled_kernels_fall_back_or_refuse(tiny_model):
 
 
 def test_a_failed_build_falls_back_with_the_compilers_reason(tmp_path):
-    """No working compiler (CXX points nowhere) and an empty kernel cache: generate still runs,
-    on the PyTorch path, and stderr says why in one line."""
+    """No working compiler (CXX points nowhere) and a kernel cache where a killed build left
+    torch's lock file: generate still runs, on the PyTorch path, and stderr says why in one line.
+    (This is torch's real builder: given that lock file, it would wait for it forever.)"""
+    stale = tmp_path / kernels.build_key() / "lock"
+    stale.parent.mkdir()
+    stale.touch()
     code = ("import torch\n"
             "from tinyllm_cli import kernels\n"
             "from tinyllm_cli.cache.kv import PagedKVCache\n"
             "from tinyllm_cli.model.llama import ModelConfig\n"
             "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
             "print(kernels.load(), PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n")
-    env = {**__import__("os").environ, "TINYLLM_KERNEL_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    env = {**os.environ, "TINYLLM_KERNEL_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["False", "gather"]
+    assert not stale.exists()
     notes = [ln for ln in p.stderr.splitlines() if ln.startswith("note:")]
     assert len(notes) == 1 and "did not build" in notes[0] and "not found" in notes[0] and "gather path" in notes[0]
     assert "WARNING" not in p.stderr  # torch's compiler-ABI warning is not passed on
+
+
+# ---- the build lock: it dies with its holder; a live holder is waited for, for a bounded time ----
+
+# A process that builds with a fake builder (no compiler run): it leaves what a real build leaves
+# while it runs (torch's lock file, half a library), says "building", and finishes after argv[3]
+# seconds, unless it is killed first.
+FAKE_BUILDER = """
+import sys, time
+from pathlib import Path
+from tinyllm_cli import kernels
+
+def build(directory, name):
+    (directory / "lock").touch()
+    (directory / f"{name}.so").write_bytes(b"half")
+    print("building", flush=True)
+    time.sleep(float(sys.argv[3]))
+    (directory / f"{name}.so").write_bytes(b"built")
+    (directory / "lock").unlink()
+
+kernels._build, kernels._load_library = build, lambda library: None
+kernels._load_or_build(Path(sys.argv[1]), sys.argv[2])
+"""
+
+
+def start_fake_build(directory, name: str, seconds: float) -> subprocess.Popen:
+    """A fake build of ``directory/name.so`` in another process, returned once it is building."""
+    p = subprocess.Popen([sys.executable, "-c", FAKE_BUILDER, str(directory), name, str(seconds)],
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "building"
+    return p
+
+
+@pytest.fixture
+def fake_toolchain(monkeypatch):
+    """This process's builds and loads, recorded instead of run: a build finds the directory empty
+    (no stale lock for torch's builder to wait on, nothing half written) and writes a library."""
+    calls = []
+
+    def build(directory, name):
+        assert list(directory.iterdir()) == []
+        (directory / f"{name}.so").write_bytes(b"built")
+        calls.append("build")
+
+    def load_library(library):
+        assert library.read_bytes() == b"built"
+        calls.append("load")
+
+    monkeypatch.setattr(kernels, "_build", build)
+    monkeypatch.setattr(kernels, "_load_library", load_library)
+    return calls
+
+
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path, fake_toolchain, capsys):
+    directory = tmp_path / "key"
+    builder = start_fake_build(directory, "k", 600)
+    builder.send_signal(signal.SIGKILL)
+    builder.wait()
+    assert (directory / "lock").exists() and (directory / "k.so").read_bytes() == b"half"
+    start = time.monotonic()
+    assert kernels._load_from(directory, "k") is None
+    assert time.monotonic() - start < 10 and fake_toolchain == ["build"]  # rebuilt at once, not waited for
+    assert "waiting" not in capsys.readouterr().err
+    assert kernels._load_from(directory, "k") is None and fake_toolchain == ["build", "load"]  # now complete
+
+
+def test_a_live_build_is_waited_for_and_its_library_loaded(tmp_path, fake_toolchain, capsys, monkeypatch):
+    monkeypatch.setattr(kernels, "_NOTE_AFTER_S", 0.2)
+    directory = tmp_path / "key"
+    builder = start_fake_build(directory, "k", 2)
+    try:
+        assert kernels._load_from(directory, "k") is None
+    finally:
+        builder.wait(timeout=60)
+    assert fake_toolchain == ["load"]  # the other process's build, not a second one
+    assert f"waiting for another process that is building tinyllm's kernels (pid {builder.pid})" in \
+        capsys.readouterr().err
+
+
+def test_a_build_that_outlasts_the_wait_leaves_the_pytorch_path_and_one_note(tmp_path):
+    """The whole path in a fresh process, as a user meets it: a live holder of the lock for this
+    key, a wait that runs out, then the gather path with one note: no hang, no traceback."""
+    directory = tmp_path / kernels.build_key()
+    builder = start_fake_build(directory, f"tinyllm_kernels_{kernels.build_key()}", 600)
+    code = ("import torch\n"
+            "from tinyllm_cli import kernels\n"
+            "from tinyllm_cli.cache.kv import PagedKVCache\n"
+            "from tinyllm_cli.model.llama import ModelConfig\n"
+            "kernels.LOCK_WAIT_S, kernels._NOTE_AFTER_S = 2.0, 0.5\n"
+            "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
+            "print(kernels.load(), PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n")
+    env = {**os.environ, "TINYLLM_KERNEL_CACHE": str(tmp_path)}
+    env.pop("TINYLLM_KERNELS", None)
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        builder.kill()
+        builder.wait()
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "gather"]
+    assert "Traceback" not in p.stderr
+    waits = [ln for ln in p.stderr.splitlines() if ln.startswith("waiting for another process")]
+    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("note:")]
+    assert len(waits) == 1 and f"(pid {builder.pid})" in waits[0]
+    assert len(notes) == 1 and f"pid {builder.pid}, was still building them after 2 s" in notes[0]
 
 
 def test_bad_attention_value_is_a_usage_error(tmp_path):
