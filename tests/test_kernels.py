@@ -277,6 +277,24 @@ def test_a_failed_build_falls_back_with_the_compilers_reason(tmp_path):
     assert "WARNING" not in p.stderr  # torch's compiler-ABI warning is not passed on
 
 
+def test_the_kernels_module_exit_status_says_whether_they_built(tmp_path):
+    """``python -m tinyllm_cli.kernels`` (make setup / make test) fails when they did not build,
+    unless TINYLLM_ALLOW_NO_KERNELS=1 accepts the PyTorch path."""
+    env = {**os.environ, "TINYLLM_KERNEL_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    env.pop("TINYLLM_ALLOW_NO_KERNELS", None)
+    env.pop("TINYLLM_KERNELS", None)
+    failed = subprocess.run([sys.executable, "-m", "tinyllm_cli.kernels"], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert "not built" in failed.stderr and "no C++ compiler" in failed.stderr
+    assert "TINYLLM_ALLOW_NO_KERNELS=1" in failed.stderr
+    env["TINYLLM_ALLOW_NO_KERNELS"] = "1"
+    allowed = subprocess.run([sys.executable, "-m", "tinyllm_cli.kernels"], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert allowed.returncode == 0 and allowed.stdout == ""
+    assert "not built" in allowed.stderr and "PyTorch path" in allowed.stderr
+
+
 # ---- the build lock: it dies with its holder; a live holder is waited for, for a bounded time ----
 
 # A process that builds with a fake builder (no compiler run): it leaves what a real build leaves

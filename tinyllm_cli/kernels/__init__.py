@@ -15,6 +15,9 @@ Invariants:
 - Building needs a C++ compiler and ninja (the ``ninja`` wheel is a dependency). Where the build
   fails, ``load()`` returns False with the reason in ``load_error()``, and callers keep the
   PyTorch path: the same results (it is the reference the tests compare the kernel against).
+  ``make setup`` / ``make test`` (``python -m tinyllm_cli.kernels``) fail on a failed build
+  unless ``opted_out()``: ``TINYLLM_ALLOW_NO_KERNELS=1`` accepts the fallback, for a machine
+  without a compiler.
 - The build directory is keyed by the source, torch's version and the CPU's flags: the library
   is compiled with ``-march=native``, so a cache never serves one built for another CPU or torch.
 - One build per key across processes, one load per process. The lock is an ``flock`` on
@@ -32,6 +35,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -268,6 +272,29 @@ def _reason(e: Exception) -> str:
     pick = next((ln for ln in lines if "error:" in ln), None)
     pick = pick or next((ln for ln in lines if "not found" in ln or "No such file" in ln), lines[0])
     return f"{type(e).__name__}: {pick}"[:300]
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's builder runs (``$CXX``, else ``c++``) as a path, or None where
+    there is none."""
+    words = shlex.split(os.environ.get("CXX") or "c++")
+    return shutil.which(words[0]) if words else None
+
+
+def opted_out() -> str | None:
+    """The setting that accepts running without the kernels (``TINYLLM_KERNELS=0``, or
+    ``TINYLLM_ALLOW_NO_KERNELS=1`` for a machine without a compiler), or None when neither is set."""
+    if os.environ.get("TINYLLM_KERNELS", "1") == "0":
+        return "TINYLLM_KERNELS=0"
+    if os.environ.get("TINYLLM_ALLOW_NO_KERNELS", "") == "1":
+        return "TINYLLM_ALLOW_NO_KERNELS=1"
+    return None
+
+
+def expected() -> bool:
+    """Whether a failed build is a failure rather than a fallback: nobody opted out and a C++
+    compiler is here (``make test`` and the kernel tests fail then; without a compiler they skip)."""
+    return opted_out() is None and compiler() is not None
 
 
 def load_error() -> str | None:
