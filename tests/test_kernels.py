@@ -164,12 +164,15 @@ def test_rope_matches_apply_rope_on_a_strided_view(dtype):
     freqs = pos[:, None] * inv[None]
     cos = torch.cat([freqs.cos()] * 2, -1).to(dtype)[:, None]
     sin = torch.cat([-freqs.sin(), freqs.sin()], -1).to(dtype)[:, None]
-    want = apply_rope(qkv.clone()[:, : heads * dim].reshape(t, heads, dim).float(), cos.float(), sin.float())
+    before = qkv.clone()  # the reference for both checks, taken before the kernel writes anything
+    want = apply_rope(before[:, : heads * dim].reshape(t, heads, dim).float(), cos.float(), sin.float())
     view = qkv[:, : heads * dim].view(t, heads, dim)  # rows strided by the fused projection's width
     kernels.rope_(view, cos, sin)
     torch.testing.assert_close(qkv[:, : heads * dim].view(t, heads, dim).float(), want, atol=TOL[dtype] * 2,
                                rtol=TOL[dtype])
-    torch.testing.assert_close(qkv[:, heads * dim:], qkv[:, heads * dim:])  # untouched columns stay
+    # The columns past the view (the K/V heads of the fused output) keep their values bit for bit:
+    # a kernel that ignored the row stride, or rotated a head too many, would write there.
+    torch.testing.assert_close(qkv[:, heads * dim:], before[:, heads * dim:], rtol=0, atol=0)
 
 
 def set_dense_path(model, path: str) -> None:
