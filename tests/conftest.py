@@ -17,6 +17,35 @@ from tinyllm_cli.model.llama import build_model
 torch.set_num_threads(2)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_kernels: calls tinyllm's CPU kernels: fails where they should "
+                                       "have built and did not, skips where they are not expected")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    # In the call phase, not setup, so that a build that should have worked reports the test as
+    # failed rather than as an error in a fixture.
+    if item.get_closest_marker("needs_kernels"):
+        require_kernels()
+
+
+def require_kernels() -> None:
+    """Return where the kernels are loaded. Where they did not build, fail the test if they were
+    expected (a C++ compiler is here and nobody opted out; kernels.expected()), since a skip there
+    would let a broken build pass as a machine without a compiler; otherwise skip it."""
+    from tinyllm_cli import kernels
+
+    if kernels.load():  # built (or loaded) once per process, on the first test that needs them
+        return
+    if kernels.expected():
+        pytest.fail(f"tinyllm's CPU kernels did not build ({kernels.load_error()}) although a C++ compiler is "
+                    f"here ({kernels.compiler()}); set TINYLLM_ALLOW_NO_KERNELS=1 to accept the PyTorch path",
+                    pytrace=False)
+    pytest.skip(f"tinyllm's CPU kernels did not build ({kernels.load_error()}); "
+                f"{kernels.opted_out() or 'no C++ compiler here'}")
+
+
 def _save_random(path, cfg_cls, **kw):
     import transformers
 

@@ -13,11 +13,18 @@ stream that a one-row step is bound by.
 
 Invariants:
 - Building needs a C++ compiler and ninja (the ``ninja`` wheel is a dependency). Where the build
-  fails, ``load()`` returns None with the reason in ``load_error()``, and callers keep the
+  fails, ``load()`` returns False with the reason in ``load_error()``, and callers keep the
   PyTorch path: the same results (it is the reference the tests compare the kernel against).
+  ``make setup`` / ``make test`` (``python -m tinyllm_cli.kernels``) fail on a failed build
+  unless ``opted_out()``: ``TINYLLM_ALLOW_NO_KERNELS=1`` accepts the fallback, for a machine
+  without a compiler.
 - The build directory is keyed by the source, torch's version and the CPU's flags: the library
   is compiled with ``-march=native``, so a cache never serves one built for another CPU or torch.
-- One build per key across processes (torch's build lock), one load per process.
+- One build per key across processes, one load per process. The lock is an ``flock`` on
+  ``<key>.lock`` beside the build directory, so it dies with its holder: a build killed midway
+  never blocks a later one (its leftovers, torch's own ``lock`` file included, are cleared under
+  the lock before building again). A process that finds another live one building waits at most
+  ``LOCK_WAIT_S``, saying so on stderr, then runs the PyTorch path with the usual one-line note.
 - Nothing is printed on stdout: a first build says so on stderr.
 - ``TINYLLM_KERNELS=0`` turns them off (everything runs the PyTorch path), for comparisons.
 """
@@ -28,15 +35,25 @@ import contextlib
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import sys
+import time
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not locked across processes
+    fcntl = None
+
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LOCK_WAIT_S = 300.0  # how long to wait for another live process's build before taking the PyTorch path
+_NOTE_AFTER_S = 1.0  # a shorter wait (a loader, or a builder about to finish) goes unmentioned
+_POLL_S = 0.1
 _error: str | None = None
 
 
@@ -88,33 +105,164 @@ def load() -> bool:
     if hasattr(torch.ops, "tinyllm") and hasattr(torch.ops.tinyllm, "paged_attention"):
         return True
     key = build_key()
-    directory = cache_root() / key
-    name = f"tinyllm_kernels_{key}"
-    library = directory / f"{name}.so"
-    try:
-        # Built before for this source, torch, Python, flags and CPU (the key), and not being
-        # rebuilt by another process right now (torch's builder holds a lock file meanwhile).
-        if library.exists() and not (directory / "lock").exists():
-            torch.ops.load_library(str(library))
-            return True
-        from torch.utils import cpp_extension
+    _error = _load_from(cache_root() / key, f"tinyllm_kernels_{key}")
+    return _error is None
 
-        directory.mkdir(parents=True, exist_ok=True)
-        print("building tinyllm's CPU kernels (once per machine, about 10-40 s) ...", file=sys.stderr)
-        _ensure_ninja()
-        builder_log = logging.getLogger("torch.utils.cpp_extension")
-        level = builder_log.level
-        builder_log.setLevel(logging.ERROR)  # its compiler-ABI warning is not ours to show
-        try:
-            with contextlib.redirect_stdout(sys.stderr):  # the builder's notes must not reach stdout
-                cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-                                   build_directory=str(directory), is_python_module=False, verbose=False)
-        finally:
-            builder_log.setLevel(level)
+
+def _load_from(directory: Path, name: str) -> str | None:
+    """Load the library ``name`` from ``directory``, building it there first if it is not complete;
+    None when it is loaded, else why not in one line. Never raises and never waits past
+    ``LOCK_WAIT_S``."""
+    try:
+        _load_or_build(directory, name)
+    except LockTimeout as e:
+        return str(e)
     except Exception as e:  # a missing compiler, ninja or headers: the PyTorch path serves instead
-        _error = _reason(e)
-        return False
-    return True
+        return _reason(e)
+    return None
+
+
+def _load_or_build(directory: Path, name: str) -> None:
+    """Load ``directory/name.so``, building it first if no complete build is there.
+
+    A shared lock covers loading a complete build (loaders do not wait for each other); an
+    exclusive one covers clearing a dead build's leftovers, building and loading. Both are
+    ``flock`` locks on ``lock_path(directory)``, which the kernel releases when their holder
+    exits, however it exits: a killed build leaves files behind, never a lock."""
+    library = directory / f"{name}.so"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(lock_path(directory), exclusive=False):
+        if _complete(directory, library):
+            _load_library(library)
+            return
+    with _locked(lock_path(directory), exclusive=True):
+        if _complete(directory, library):  # another process built it while this one waited
+            _load_library(library)
+            return
+        _clear(directory)
+        print("building tinyllm's CPU kernels (once per machine, about 10-40 s) ...", file=sys.stderr)
+        _build(directory, name)
+
+
+def lock_path(directory: Path) -> Path:
+    """The flock file of a build directory: beside it, not in it, so that clearing the directory
+    never removes a lock file that another process has open."""
+    return directory.with_name(directory.name + ".lock")
+
+
+def _complete(directory: Path, library: Path) -> bool:
+    """A finished build: the library is there and torch's builder is not (or no longer) holding its
+    lock file, which it creates before compiling and removes after linking. Called under our
+    flock, so a ``lock`` file seen here was left by a killed build (or by a version of tinyllm
+    that built without this flock), and the library beside it may be half written."""
+    return library.exists() and not (directory / "lock").exists()
+
+
+def _clear(directory: Path) -> None:
+    """Start from an empty build directory (under the exclusive flock). What is there is a killed
+    or failed build: torch's stale ``lock`` file, which would make its builder wait forever, and
+    objects or a library that may be half written, which ninja could take for up to date."""
+    if directory.exists():
+        shutil.rmtree(directory)  # raises rather than leave torch's lock file (a builder that waits forever)
+    directory.mkdir(parents=True)
+
+
+def _load_library(library: Path) -> None:
+    torch.ops.load_library(str(library))
+
+
+def _build(directory: Path, name: str) -> None:
+    """Compile and link ``directory/name.so`` with torch's builder, which also loads it."""
+    from torch.utils import cpp_extension
+
+    _ensure_ninja()
+    builder_log = logging.getLogger("torch.utils.cpp_extension")
+    level = builder_log.level
+    builder_log.setLevel(logging.ERROR)  # its compiler-ABI warning is not ours to show
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the builder's notes must not reach stdout
+            cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                               build_directory=str(directory), is_python_module=False, verbose=False)
+    finally:
+        builder_log.setLevel(level)
+
+
+# ---- the build lock ----------------------------------------------------------------------------
+
+class LockTimeout(Exception):
+    """Another live process held the build lock for longer than ``LOCK_WAIT_S``."""
+
+
+@contextlib.contextmanager
+def _locked(path: Path, exclusive: bool):
+    """Hold a ``flock`` on ``path`` for the block: exclusive (and the holder's pid written in the
+    file, for a waiter's message) or shared. Waits at most ``LOCK_WAIT_S``, saying on stderr
+    after ``_NOTE_AFTER_S`` whom it waits for; then raises ``LockTimeout``. Without fcntl (not
+    POSIX) it does not lock."""
+    opened = _open_lock(path) if fcntl is not None else None
+    if opened is None:
+        yield
+        return
+    fd, writable = opened
+    try:
+        _acquire(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        note_pid = exclusive and writable
+        if note_pid:
+            _write_pid(fd, str(os.getpid()))
+        try:
+            yield
+        finally:
+            if note_pid:
+                _write_pid(fd, "")  # a later waiter must not name this process once it is gone
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _open_lock(path: Path) -> tuple[int, bool] | None:
+    """The lock file, open for writing (to note the builder's pid), else read-only (a cache this
+    user may load from but not build in; flock works on either), else None: no lock file and no
+    right to make one, where nobody can build, so loading a complete build needs no lock."""
+    for flags, writable in ((os.O_RDWR | os.O_CREAT, True), (os.O_RDONLY, False)):
+        try:
+            return os.open(path, flags, 0o644), writable
+        except OSError:
+            pass
+    return None
+
+
+def _acquire(fd: int, mode: int) -> None:
+    """Take the flock ``mode`` on ``fd``, polling (a blocking flock cannot be given a timeout
+    without signals, which only the main thread may use)."""
+    start, noted = time.monotonic(), False
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        waited = time.monotonic() - start
+        holder = _read_pid(fd)
+        if waited >= LOCK_WAIT_S:
+            raise LockTimeout(f"another process, {_who(holder)}, was still building them after {LOCK_WAIT_S:.0f} s")
+        if waited >= _NOTE_AFTER_S and not noted:
+            print(f"waiting for another process that is building tinyllm's kernels ({_who(holder)}) "
+                  f"for up to {LOCK_WAIT_S:.0f} s ...", file=sys.stderr)
+            noted = True
+        time.sleep(_POLL_S)
+
+
+def _write_pid(fd: int, text: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text.encode(), 0)
+
+
+def _read_pid(fd: int) -> str:
+    return os.pread(fd, 32, 0).decode(errors="replace").strip()
+
+
+def _who(pid: str) -> str:
+    return f"pid {pid}" if pid.isdigit() else "pid unknown"
 
 
 def _reason(e: Exception) -> str:
@@ -124,6 +272,29 @@ def _reason(e: Exception) -> str:
     pick = next((ln for ln in lines if "error:" in ln), None)
     pick = pick or next((ln for ln in lines if "not found" in ln or "No such file" in ln), lines[0])
     return f"{type(e).__name__}: {pick}"[:300]
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's builder runs (``$CXX``, else ``c++``) as a path, or None where
+    there is none."""
+    words = shlex.split(os.environ.get("CXX") or "c++")
+    return shutil.which(words[0]) if words else None
+
+
+def opted_out() -> str | None:
+    """The setting that accepts running without the kernels (``TINYLLM_KERNELS=0``, or
+    ``TINYLLM_ALLOW_NO_KERNELS=1`` for a machine without a compiler), or None when neither is set."""
+    if os.environ.get("TINYLLM_KERNELS", "1") == "0":
+        return "TINYLLM_KERNELS=0"
+    if os.environ.get("TINYLLM_ALLOW_NO_KERNELS", "") == "1":
+        return "TINYLLM_ALLOW_NO_KERNELS=1"
+    return None
+
+
+def expected() -> bool:
+    """Whether a failed build is a failure rather than a fallback: nobody opted out and a C++
+    compiler is here (``make test`` and the kernel tests fail then; without a compiler they skip)."""
+    return opted_out() is None and compiler() is not None
 
 
 def load_error() -> str | None:
