@@ -8,7 +8,6 @@ import os
 import random
 import subprocess
 import sys
-from types import SimpleNamespace
 from unittest import mock
 
 import pytest
