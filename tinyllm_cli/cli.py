@@ -140,7 +140,7 @@ def shared(*names: str):
 @app.command()
 @shared("MODEL", "CACHE", "SCHEDULER", "SAMPLING", "CLUSTER", "RUN")
 def generate(
-    prompts: Annotated[str, typer.Option("--prompts", "-p", help="Prompts: .txt (one per line), .jsonl, or - for stdin.")],
+    prompts: Annotated[str, typer.Option("--prompts", "-p", help="Prompts: .txt (one per line), .jsonl, or - for stdin (lines up to 16 MiB; a longer one is that request's error).")],
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="JSONL results file (default stdout).")] = None,
     resume: Annotated[bool, typer.Option(help="Skip ids already in --output and append the rest.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 1 if any request failed.")] = False,
@@ -160,14 +160,17 @@ def generate(
 @app.command("serve-batch")
 @shared("MODEL", "CACHE", "SCHEDULER", "SAMPLING", "CLUSTER", "RUN")
 def serve_batch(
-    input: Annotated[str, typer.Option("--input", "-i", help="OpenAI Batch API JSONL, or - for stdin.")] = "-",
+    input: Annotated[str, typer.Option("--input", "-i", help="OpenAI Batch API JSONL, or - for stdin (lines up to 16 MiB; a longer one is answered with an error line).")] = "-",
     output: Annotated[str, typer.Option("--output", "-o", help="Results JSONL, or - for stdout.")] = "-",
     request_rate: Annotated[Optional[float], typer.Option(help="Poisson arrivals per second (default: as fast as read).")] = None,
     max_inflight: Annotated[Optional[int], typer.Option(help="Most requests inside the engine at once.")] = None,
     strict: Annotated[bool, typer.Option(help="Exit 1 if any line was answered with an error.")] = False,
     opts: Opts = None,
 ):
-    """Serve OpenAI Batch API requests as a stream; results in completion order."""
+    """Serve OpenAI Batch API requests as a stream; results in completion order.
+
+    Memory stays flat on an endless stream; an input line over 16 MiB is skipped without being
+    held and answered with an error line for that line number."""
     from .commands.serve_batch import run_serve
     cfg = opts.config()
     if request_rate is not None and request_rate <= 0:

@@ -12,6 +12,9 @@ Invariants:
   unfinished one are written too (after the in-order part), so every finished result is on
   disk; ``--resume`` puts them back in their place, so the final file equals an uninterrupted
   run's. Resuming reads the results file and the prompts side by side: memory stays flat.
+- No line is held in memory past ``MAX_LINE_BYTES`` (16 MiB): a longer one is read through to
+  its end in chunks, dropped, and answered as that line's error ("line N is longer than the
+  16 MiB limit"); ``serve-batch`` reads its input with the same ``bounded_lines``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,72 @@ SAMPLING_KEYS = SamplingParams.field_names()
 ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 
 
+MAX_LINE_BYTES = 16 << 20  # longest input line (prompts file, stdin, serve-batch input), newline excluded
+READ_CHUNK = 1 << 16
+
+
+class TooLong:
+    """Stands for a line longer than ``MAX_LINE_BYTES``: its ``size`` bytes (with its newline)
+    were read and dropped."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __repr__(self) -> str:
+        return f"TooLong({self.size})"
+
+
+def size_text(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
+
+
+def too_long_message(lineno: int) -> str:
+    return f"line {lineno} is longer than the {size_text(MAX_LINE_BYTES)} limit"
+
+
+def bounded_lines(read, limit: int | None = None) -> Iterator[bytes | TooLong]:
+    """Lines (each with its ``\\n``, the last one perhaps without) from ``read(n)`` (a file's
+    ``read1``/``read``, or ``os.read`` on a descriptor), in time linear in the input. A line of
+    more than ``limit`` bytes (``MAX_LINE_BYTES``; its ``\\n`` not counted) is consumed to its end
+    without being kept and comes out as a ``TooLong``, so memory stays under ``limit`` plus a chunk."""
+    limit = MAX_LINE_BYTES if limit is None else limit
+    buf = bytearray()
+    skipped = -1  # bytes of the too-long line being skipped; -1 when not skipping
+    while chunk := read(READ_CHUNK):
+        start = 0
+        while (i := chunk.find(b"\n", start)) >= 0:
+            if skipped >= 0:
+                yield TooLong(skipped + i + 1 - start)
+                skipped = -1
+            elif len(buf) + i - start > limit:
+                yield TooLong(len(buf) + i + 1 - start)
+                buf.clear()
+            else:
+                buf += chunk[start:i + 1]
+                yield bytes(buf)
+                buf.clear()
+            start = i + 1
+        rest = len(chunk) - start
+        if skipped >= 0:
+            skipped += rest
+        elif len(buf) + rest > limit:
+            skipped = len(buf) + rest
+            buf = bytearray()  # give the memory back
+        elif rest:
+            buf += chunk[start:]
+    if skipped >= 0:
+        yield TooLong(skipped)
+    elif buf:
+        yield bytes(buf)
+
+
+def _reader(f):
+    """The ``read(n)`` of a binary file that returns what is there rather than waiting for ``n`` bytes."""
+    return getattr(f, "read1", None) or f.read
+
+
 def existing_file(path: str, what: str) -> Path:
     """``path`` as a Path, or a one-sentence usage error naming ``what`` when it is missing or a directory."""
     p = Path(path)
@@ -61,7 +130,11 @@ def check_prompt_file(path: str) -> int | None:
     try:
         with p.open("rb") as f:
             # Lines split on b"\n", which never falls inside a UTF-8 character.
-            for raw in f:
+            for raw in bounded_lines(_reader(f)):
+                if isinstance(raw, TooLong):  # answered as that line's error
+                    count += 1
+                    offset += raw.size
+                    continue
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -76,25 +149,35 @@ def check_prompt_file(path: str) -> int | None:
     return count
 
 
-def _lines(path: str) -> Iterator[str | None]:
+def _lines(path: str) -> Iterator[str | None | TooLong]:
     """Text lines (a leading BOM dropped); None for a stdin line that is not UTF-8 (files are
-    checked up front by ``check_prompt_file``)."""
+    checked up front by ``check_prompt_file``); a ``TooLong`` for a line over ``MAX_LINE_BYTES``."""
     if path == "-":
         raw = getattr(sys.stdin, "buffer", None)
         if raw is None:  # stdin replaced by a text object (tests)
             for n, line in enumerate(sys.stdin):
+                if len(line) > MAX_LINE_BYTES and len(line.encode("utf-8").rstrip(b"\n")) > MAX_LINE_BYTES:
+                    yield TooLong(len(line))
+                    continue
                 yield line.removeprefix("\ufeff") if n == 0 else line
             return
-        for n, b in enumerate(raw):
-            try:
-                line = b.decode("utf-8")
-            except UnicodeDecodeError:
-                yield None
-                continue
-            yield line.removeprefix("\ufeff") if n == 0 else line
+        yield from _decoded(bounded_lines(_reader(raw)))
         return
-    with open(path, encoding="utf-8-sig") as f:
-        yield from f
+    with open(path, "rb") as f:
+        yield from _decoded(bounded_lines(_reader(f)))
+
+
+def _decoded(lines: Iterator[bytes | TooLong]) -> Iterator[str | None | TooLong]:
+    for n, b in enumerate(lines):
+        if isinstance(b, TooLong):
+            yield b
+            continue
+        try:
+            line = b.decode("utf-8")
+        except UnicodeDecodeError:
+            yield None
+            continue
+        yield line.removeprefix("\ufeff") if n == 0 else line
 
 
 def read_records(path: str) -> Iterator[tuple[int, object]]:
@@ -105,6 +188,9 @@ def read_records(path: str) -> Iterator[tuple[int, object]]:
     for lineno, line in enumerate(_lines(path), 1):
         if line is None:
             yield lineno, {"__error__": f"line {lineno} is not UTF-8 text"}
+            continue
+        if isinstance(line, TooLong):
+            yield lineno, {"__error__": too_long_message(lineno)}
             continue
         line = line.rstrip("\r\n")
         if not line.strip():

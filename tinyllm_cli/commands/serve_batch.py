@@ -16,7 +16,13 @@ Design:
   an interrupted run leaves valid JSONL with every finished result in it. The output is opened
   only once the model is loaded.
 - A bad line (not JSON, a missing or mistyped field, an unknown url, a duplicate ``custom_id``,
-  a request the engine rejects) becomes an error line and the stream goes on.
+  a request the engine rejects) becomes an error line and the stream goes on. So does a line
+  longer than ``io.MAX_LINE_BYTES`` (16 MiB): it is read through to its end in chunks without
+  being held, and answered "line N is longer than the 16 MiB limit".
+- Memory stays flat on an endless stream: input is read in chunks in linear time, and the run's
+  statistics are bounded (``engine.stats``: running aggregates, a downsampled timeline,
+  sketched percentiles). Only the set of ``custom_id``s seen (for duplicates) grows, by one
+  short string per request.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from typing import BinaryIO
 from ..config import Config
 from ..engine.request import RequestOutput
 from ..errors import Interrupted, TinyLLMError, UsageError
-from ..io import RequestBuilder, ResultFile, existing_file, open_output, plan_output
+from ..io import (RequestBuilder, ResultFile, TooLong, bounded_lines, existing_file, open_output, plan_output,
+                  too_long_message)
 from ..openai_batch import BadLine, Job, decode_line, error_line, parse_request, response_line
 from .common import finish_run, open_llm
 
@@ -77,22 +84,23 @@ def open_input(path: str) -> BinaryIO | None:
 
 def _stdin_lines():
     """Raw stdin lines read straight from the file descriptor: a reader thread still blocked in
-    ``read`` at exit then holds no lock of ``sys.stdin``'s buffer (which would abort shutdown)."""
+    ``read`` at exit then holds no lock of ``sys.stdin``'s buffer (which would abort shutdown).
+    Linear in the input, and no line over ``MAX_LINE_BYTES`` is held (``io.bounded_lines``)."""
     try:
         fd = sys.stdin.fileno()
     except (AttributeError, OSError, ValueError):  # stdin replaced by a non-file object
-        for x in getattr(sys.stdin, "buffer", sys.stdin):
+        src = getattr(sys.stdin, "buffer", sys.stdin)
+        if hasattr(src, "read") and isinstance(src.read(0), bytes):
+            yield from bounded_lines(getattr(src, "read1", None) or src.read)
+            return
+        for x in src:
             yield x.encode("utf-8") if isinstance(x, str) else x
         return
-    buf = b""
-    while chunk := os.read(fd, 1 << 16):
-        buf += chunk
-        if b"\n" in chunk:
-            *lines, buf = buf.split(b"\n")
-            for x in lines:
-                yield x + b"\n"
-    if buf:
-        yield buf
+    yield from bounded_lines(lambda n: os.read(fd, n))
+
+
+def _file_lines(src: BinaryIO):
+    return bounded_lines(getattr(src, "read1", None) or src.read)
 
 
 class LineReader:
@@ -119,7 +127,7 @@ class LineReader:
 
     def _run(self) -> None:
         try:
-            for lineno, raw in enumerate(_stdin_lines() if self.src is None else self.src, 1):
+            for lineno, raw in enumerate(_stdin_lines() if self.src is None else _file_lines(self.src), 1):
                 if not self._put((lineno, raw)):
                     return
         except (OSError, ValueError) as e:  # ValueError: the file was closed under us
@@ -252,6 +260,10 @@ class Server:
         if isinstance(item, OSError):
             raise TinyLLMError(str(item))
         lineno, raw = item
+        if isinstance(raw, TooLong):  # read through and dropped, never held
+            self.lines += 1
+            self.writer.write(error_line(lineno, None, "invalid_request", too_long_message(lineno)), error=True)
+            return
         try:
             rec = decode_line(lineno, raw)
             if rec is None:

@@ -367,7 +367,7 @@ class LLMEngine(Engine):
         if n_pre:
             self.stats.preemption_steps.append(self._step)
         self.stats.forward_s += forward_s
-        self.stats.steps.append(StepRecord(
+        self.stats.record_step(StepRecord(
             step=self._step, t=round(time.perf_counter() - self.stats.start, 6), running=running,
             waiting=len(self.scheduler.waiting), blocks_used=u.blocks_used, blocks_free=u.blocks_free,
             tokens_stored=u.tokens_stored, slots_allocated=u.slots_allocated,
