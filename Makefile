@@ -37,7 +37,7 @@ test: setup
 	@$(PY) -m pytest
 
 bench: setup
-	@$(VENV)/bin/tinyllm bench --block-size 8,16,32 --cache paged,slot
+	@$(VENV)/bin/tinyllm bench --block-size 8,16,32 --cache paged,slot --kv-memory 512MiB
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -417,7 +417,7 @@ class HFEngine:
 
 
 def vllm_env(kv_gib: int) -> dict:
-    """The settings vLLM's CPU engine needs here (see the README's comparison section)."""
+    """The settings vLLM's CPU engine needs here (see docs/performance.md, the comparison section)."""
     return os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
                          "VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                          "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
