@@ -47,6 +47,27 @@ FAULTS = [
     ("a bad prompt line", "that line's error result; the run goes on", "test_hardening.py::test_bad_jsonl_lines_become_error_results"),
     ("a bad serve-batch line", "that line's error line; the stream goes on",
      "test_hardening.py::test_serve_batch_bad_lines_get_error_lines"),
+    ("a line over the 16 MiB limit (serve-batch)", "that line's error line, never held in memory; the rest answered",
+     "test_stream_memory.py::test_serve_batch_answers_an_oversized_line_with_its_error"),
+    ("a prompt line over the limit (generate)", "that line's error result; the rest run",
+     "test_stream_memory.py::test_generate_answers_an_oversized_prompt_line_with_its_error"),
+    ("an endless stream", "bounded step history and sketched percentiles: memory flat (scripts/long_stream_memory.py)",
+     "test_stream_memory.py::test_timeline_is_bounded_and_covers_the_whole_run"),
+    ("crafted prompts forcing prefix-key collisions", "never a false prefix hit: keys are salted sha256 chains, "
+     "hits checked against the stored entry", "test_block_keys.py::test_forced_collisions_never_serve_another_prefix"),
+    ("a GGUF whose tensors alias one region", "exit 2, one sentence, before anything is dequantized; memory flat",
+     "test_checkpoint_safety.py::test_aliased_tensor_data_does_not_grow_memory"),
+    ("a truncated GGUF", "exit 2, one sentence", "test_checkpoint_safety.py::test_truncated_gguf_is_one_sentence_exit_2"),
+    ("a truncated safetensors file", "exit 2, one sentence",
+     "test_checkpoint_safety.py::test_truncated_safetensors_is_one_sentence_exit_2"),
+    ("an index naming a shard outside the model directory", "exit 2, one sentence, no file touched",
+     "test_checkpoint_safety.py::test_shard_names_are_checked_without_touching_the_files"),
+    ("a model larger than the free memory", "one sentence naming both numbers",
+     "test_checkpoint_safety.py::test_memory_refusal_names_both_numbers"),
+    ("the first kernel build killed midway", "the next run rebuilds; nothing blocks",
+     "test_kernels.py::test_a_build_killed_midway_does_not_block_the_next"),
+    ("another process is building the kernels", "waited for (bounded), its library loaded",
+     "test_kernels.py::test_a_live_build_is_waited_for_and_its_library_loaded"),
 ]
 
 

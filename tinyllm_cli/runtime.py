@@ -116,7 +116,7 @@ class Runtime:
 def load_runtime(cfg: Config, progress: bool = True) -> Runtime:
     t0 = time.perf_counter()
     where = Placement.resolve(cfg)  # before the (slow) load
-    ck = load_checkpoint(cfg.model, progress, cfg.quant)
+    ck = load_checkpoint(cfg.model, progress, cfg.quant, dtype=where.dtype)  # its memory check knows the dtype
     return runtime_from_checkpoint(ck, where, t0)
 
 
