@@ -252,27 +252,27 @@ class LLMEngine(Engine):
     def _start_masks(self, samplers: list[Sequence]):
         """Start filling the grammar masks of the step's constrained rows (in a thread, so it
         overlaps the forward pass); None when no row is constrained."""
-        rows = [i for i, s in enumerate(samplers) if s.grammar is not None]
-        if not rows:
+        if all(s.grammar is None for s in samplers):
             return None
-        states = [samplers[i].grammar for i in rows]
+        states = [s.grammar for s in samplers]
         vocab = self.model.cfg.vocab_size
         if not self.overlap_masks:
-            return rows, _Done(_timed(constraints.fill_masks, states, vocab))
+            return _Done(_timed(constraints.fill_masks, states, vocab)), len(states) - states.count(None)
         if self._mask_pool is None:
             from concurrent.futures import ThreadPoolExecutor
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="tinyllm-grammar")
-        return rows, self._mask_pool.submit(_timed, constraints.fill_masks, states, vocab)
+        return self._mask_pool.submit(_timed, constraints.fill_masks, states, vocab), len(states) - states.count(None)
 
     def _apply_masks(self, logits, masks) -> None:
-        rows, job = masks
+        """Mask the sampling rows (the first len(samplers) rows of ``logits``) in one pass."""
+        job, constrained = masks
         t0 = time.perf_counter()
         bitmask, fill_s = job.result()
-        constraints.apply_masks(logits, rows, bitmask)
+        constraints.apply_masks(logits[:bitmask.shape[0]], bitmask)
         st = self.stats
         st.grammar_s += fill_s + time.perf_counter() - t0  # fill (overlapped) + wait and apply
         st.grammar_wait_s += time.perf_counter() - t0
-        st.constrained_tokens += len(rows)
+        st.constrained_tokens += constrained
 
     @staticmethod
     def _score_rows(scoring: Scoring, s: Sequence, start: int, n: int, row: int) -> None:
