@@ -104,14 +104,15 @@ class SamplingParams:
     @property
     def constraint(self) -> tuple[str, str] | None:
         """(kind, canonical text) of the request's constraint, None when unconstrained: the key
-        compiled grammars are cached by (equal schemas written with other key order share it)."""
+        compiled grammars are cached by. Key order is kept: a schema's property order is the
+        order the output writes them in."""
         kinds = self.constraint_fields
         if not kinds:
             return None
         k = kinds[0]
         v = getattr(self, k)
         if k in ("json_schema", "choice"):
-            return k, json.dumps(v, sort_keys=True, ensure_ascii=False)
+            return k, json.dumps(v, ensure_ascii=False)
         return k, "" if k == "json_object" else v
 
     @property
