@@ -76,6 +76,11 @@ SHARED: dict[str, tuple[object, object]] = {
     "n": (Annotated[Optional[int], typer.Option("--n", help="Completions per prompt (the prompt is prefilled once).")], None),
     "logprobs": (Annotated[Optional[int], typer.Option("--logprobs", help="Report each output token's logprob and K alternatives (0-20).")], None),
     "prompt_logprobs": (Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Report each prompt token's logprob and K alternatives (0-20).")], None),
+    "json_schema": (Annotated[Optional[Path], typer.Option("--json-schema", help="Structured output: every output is JSON valid against the schema in FILE (needs tinyllm[structured]).")], None),
+    "json_object": (Annotated[Optional[bool], typer.Option("--json-object/--no-json-object", help="Structured output: every output is a JSON object.")], None),
+    "regex": (Annotated[Optional[str], typer.Option("--regex", help="Structured output: every output matches this regular expression.")], None),
+    "choice": (Annotated[Optional[list[str]], typer.Option("--choice", help="Structured output: every output is one of these strings (repeat the flag).")], None),
+    "grammar": (Annotated[Optional[Path], typer.Option("--grammar", help="Structured output: every output is in the GBNF/EBNF grammar in FILE.")], None),
     "workers": (Annotated[Optional[int], typer.Option("--workers", help="Engine workers on a Ray cluster (1 = in-process).")], None),
     "ray_address": (Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster: 'auto', HOST:PORT or 'local' (default: a local instance when --workers > 1).")], None),
     "worker_cpus": (Annotated[Optional[float], typer.Option("--worker-cpus", help="CPUs per Ray worker (its torch threads).")], None),
@@ -93,7 +98,8 @@ GROUPS = {
     "CACHE": ("cache", "block_size", "num_blocks", "kv_memory", "max_model_len", "prefix_cache"),
     "SCHEDULER": ("max_num_seqs", "max_prefill_tokens"),
     "SAMPLING": ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                 "ignore_eos", "n", "logprobs", "prompt_logprobs"),
+                 "ignore_eos", "n", "logprobs", "prompt_logprobs", "json_schema", "json_object", "regex", "choice",
+                 "grammar"),
     "CLUSTER": ("workers", "ray_address", "worker_cpus", "worker_gpus", "max_attempts", "max_restarts", "insecure"),
     "RUN": ("quiet", "debug", "stats_json"),
 }
@@ -110,7 +116,38 @@ class Opts(dict):
         """The run's Config: the --config file, then every shared flag given (and ``more``)."""
         from .config import flat_overrides, load_config
         settings = {k: v for k, v in self.items() if k not in NOT_SETTINGS} | more
+        settings |= _constraint_files(settings)
         return load_config(self.get("config"), flat_overrides(settings), command_defaults=command_defaults)
+
+
+def _constraint_files(settings: dict) -> dict:
+    """--json-schema FILE and --grammar FILE: their contents, read and checked (usage errors)."""
+    out = {}
+    for key, what in (("json_schema", "--json-schema"), ("grammar", "--grammar")):
+        path = settings.get(key)
+        if path is None:
+            continue
+        from .io import existing_file
+        try:
+            text = existing_file(str(path), f"{what} file").read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UsageError(f"{what} file {str(path)!r} is not UTF-8 text")
+        if key == "grammar":
+            out[key] = text
+            continue
+        import json
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{what} file {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno})")
+        if not isinstance(out[key], dict):
+            raise UsageError(f"{what} file {str(path)!r} must hold a JSON object (a schema)")
+    if settings.get("choice") == []:
+        out["choice"] = None
+    return out
+
+
+STRUCTURED = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 def shared(*names: str):
@@ -185,7 +222,7 @@ def serve_batch(
 
 @app.command()
 @shared("MODEL", "num_blocks", "kv_memory", "max_model_len", "SCHEDULER", "ray_address", "worker_cpus",
-        "worker_gpus", "max_attempts", "max_restarts", "insecure", "quiet", "debug", "plot")
+        "worker_gpus", "max_attempts", "max_restarts", "insecure", "quiet", "debug", "plot", *STRUCTURED)
 def bench(
     block_sizes: Annotated[Optional[str], typer.Option("--block-size", help="Comma list, e.g. 8,16,32.")] = None,
     caches: Annotated[str, typer.Option("--cache", help="Comma list of cache kinds: paged,slot.")] = "paged,slot",
@@ -232,7 +269,7 @@ def bench(
 
 @app.command("inspect-blocks")
 @shared("MODEL", "block_size", "num_blocks", "kv_memory", "max_model_len", "prefix_cache", "SCHEDULER", "n",
-        "CLUSTER", "RUN", "plot")
+        "CLUSTER", "RUN", "plot", *STRUCTURED)
 def inspect_blocks(
     prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompts file (else random prompts).")] = None,
     num_prompts: Annotated[int, typer.Option(help="Random-token prompts.")] = 12,

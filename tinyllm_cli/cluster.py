@@ -546,7 +546,11 @@ def merge_worker_summaries(sums: list[dict], elapsed: float) -> dict:
         "peak_shared_refs": most("peak_shared_refs"), "forward_s": round(forward, 4),
         # Wall time of all workers together that was not a forward pass (dispatch, transfers, idling).
         "engine_overhead_frac": round(max(0.0, 1 - forward / max(elapsed * len(sums), 1e-9)), 4),
+        **{k: round(sum(x.get(k, 0) for x in sums), 4) for k in GRAMMAR_KEYS},
     }
+
+
+GRAMMAR_KEYS = ("constrained_tokens", "grammar_s", "grammar_wait_s", "grammar_compile_s", "grammar_cache_hits")
 
 
 def worker_row(s: WorkerSlot, elapsed: float) -> dict:

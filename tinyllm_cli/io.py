@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from .engine.request import Request, SamplingParams
+from .engine.request import CONSTRAINTS, Request, SamplingParams
 from .errors import TinyLLMError, UsageError, shield
 from .model.tokenizer import Tokenizer
 
@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover
 REQUEST_KEYS = {"id", "prompt", "messages", "prompt_token_ids", "metadata"}
 SAMPLING_KEYS = SamplingParams.field_names()
 ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+CONSTRAINTS_AND_FORMAT = set(CONSTRAINTS) | {"response_format"}
 
 
 MAX_LINE_BYTES = 16 << 20  # longest input line (prompts file, stdin, serve-batch input), newline excluded
@@ -267,7 +268,10 @@ class RequestBuilder:
 
     def params(self, rec: dict) -> SamplingParams:
         over = {ALIASES.get(k, k): v for k, v in rec.items() if k in SAMPLING_KEYS or k in ALIASES}
-        return SamplingParams(**(vars(self.defaults) | over))
+        base = vars(self.defaults)
+        if CONSTRAINTS_AND_FORMAT & set(over):  # a line's own constraint replaces the defaults'
+            base = base | dict.fromkeys(CONSTRAINTS, None) | {"json_object": False}
+        return SamplingParams(**(base | over))
 
     def encode_prompt(self, text: str) -> list[int]:
         _check_text(text, "'prompt'")

@@ -39,7 +39,10 @@ BODY_SAMPLING = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_n
                  "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
                  "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
                  "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids", "n": "n",
-                 "logprobs": "logprobs", "top_logprobs": "top_logprobs", "prompt_logprobs": "prompt_logprobs"}
+                 "logprobs": "logprobs", "top_logprobs": "top_logprobs", "prompt_logprobs": "prompt_logprobs",
+                 # structured output: OpenAI's response_format, and vLLM's guided_* extensions
+                 "response_format": "response_format", "guided_json": "json_schema", "guided_regex": "regex",
+                 "guided_choice": "choice", "guided_grammar": "grammar"}
 class BadLine(Exception):
     """A line that cannot become a request: answered with an error line."""
 
@@ -197,7 +200,8 @@ def _completion_logprobs(entries: list[dict] | None) -> dict | None:
 
 
 def _choice(url: str, c, prompt_logprobs) -> dict:
-    reason = "length" if c.finish_reason == "error" else c.finish_reason
+    # OpenAI's reasons are stop / length: a cut-short constrained output is "length" there.
+    reason = "length" if c.finish_reason in ("error", "constraint_unfinished") else c.finish_reason
     if url == CHAT:
         choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
                   "logprobs": _chat_logprobs(c.logprobs), "finish_reason": reason}

@@ -53,6 +53,11 @@ def run_table(s: dict, title: str = "run") -> Table:
         rows.insert(-2, ("parallel sampling (forks)",
                          f"{s['forks']} forks, {s['cow_copies']} copy-on-write block copies, peak "
                          f"{s['peak_fork_shared_blocks']} blocks shared by forks ({s['peak_fork_refs']} extra refs)"))
+    if s.get("constrained_tokens"):  # only runs with structured-output requests
+        rows.insert(-1, ("structured output", (
+            f"{s['constrained_tokens']} masked tok; grammar {s['grammar_s']:.2f} s "
+            f"({s['grammar_s'] / max(s['elapsed_s'], 1e-9):.1%} of wall, {s['grammar_wait_s']:.2f} s not overlapped); "
+            f"compile {s['grammar_compile_s']:.2f} s, {s['grammar_cache_hits']} cache hits")))
     for name, v in rows:
         t.add_row(name, v)
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("latency_s", "latency")):

@@ -59,7 +59,11 @@ def prompts_from_file(path: str, tokenizer, chat: bool) -> list[list[int]]:
     return out
 
 
-def requests_for(workload: list[list[int]], output_len: int, n: int = 1) -> list[Request]:
-    """Greedy requests that generate exactly ``output_len`` tokens each (EOS ignored)."""
-    return [Request(str(i), ids, SamplingParams(max_new_tokens=output_len, ignore_eos=True, n=n), index=i)
+def requests_for(workload: list[list[int]], output_len: int, n: int = 1,
+                 sampling: SamplingParams | None = None) -> list[Request]:
+    """Greedy requests that generate exactly ``output_len`` tokens each (EOS ignored), unless
+    ``sampling`` (the config's section) carries a structured-output constraint: then each output
+    ends when its constraint is complete, at ``output_len`` tokens at most."""
+    con = {k: getattr(sampling, k) for k in sampling.constraint_fields} if sampling is not None else {}
+    return [Request(str(i), ids, SamplingParams(max_new_tokens=output_len, ignore_eos=True, n=n, **con), index=i)
             for i, ids in enumerate(workload)]

@@ -129,7 +129,7 @@ def run_one(llm: LLM, base: Config, kind: str, block_size: int, budget: int, wor
     c = dataclasses.replace(base.cache, kind=kind, block_size=block_size or base.cache.block_size,
                             num_blocks=None, kv_memory=str(budget), prefix_caching=prefix_caching)
     llm.reconfigure(config=dataclasses.replace(base, cache=c))
-    reqs = requests_for(workload, output_len, n)
+    reqs = requests_for(workload, output_len, n, base.sampling)
     if profile_into is None:
         outs = list(llm.run(reqs))
     else:

@@ -106,8 +106,8 @@ def run_inspect(cfg: Config, *, prompts: str | None, num_prompts: int, input_len
         workload = (prompts_from_file(prompts, rt.tokenizer, chat) if prompts
                     else random_prompts(rt.model_cfg, num_prompts, input_len, range_ratio, 0))
         llm.engine.add_observer(Recorder(when))
-        for _ in llm.run(requests_for(workload, output_len, n), use_tqdm=not quiet, total=len(workload),
-                           desc="inspect"):
+        for _ in llm.run(requests_for(workload, output_len, n, cfg.sampling), use_tqdm=not quiet,
+                         total=len(workload), desc="inspect"):
             pass
         recorders = llm.engine.observed()
         summary = llm.stats

@@ -14,6 +14,10 @@ Invariants:
   output is built when the last of its n sequences finishes.
 - Prompt log-probabilities need the logits of every prompt row: only the requests that ask get
   those rows (``logits_index``), and they skip prefix-cache hits until their prompt is scored.
+- Structured output (``constraints``) is a sampling concern: each constrained sequence (each
+  fork) holds its own grammar state; the step's constrained rows get their masks in one packed
+  bitmask, filled while the forward pass runs (the states only depend on tokens already
+  accepted) and applied to the logits in one pass before sampling. Unconstrained steps skip it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from ..cache.kv import PagedKVCache
 from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
 from ..transfer import to_device
-from . import sampler
+from . import constraints, sampler
 from .contract import Engine
 from .request import Completion, Group, Request, RequestOutput, Sequence, Status, fork_seed, request_seed
 from .scheduler import Plan, Scheduler
@@ -64,6 +68,8 @@ class LLMEngine(Engine):
         self._step = 0
         self._token_text: dict[int, str | None] = {}
         self.observers: list = []
+        self._mask_pool = None  # a thread that fills grammar masks during the forward pass
+        self.overlap_masks = True  # False: fill them after the forward (scripts/structured_bench.py A/B)
 
     # ---- requests in ---------------------------------------------------------------------
 
@@ -71,6 +77,9 @@ class LLMEngine(Engine):
         """Queue a request; returns an error output instead if it can never run."""
         error = req.error or self._check(req)
         p = req.params
+        compiled = None
+        if not error and p.constraint_fields:
+            compiled, error = self._compiled(p)
         seed = request_seed(self.seed, req)
         seqs = [Sequence(next(self._ids), req, fork_seed(seed, i), list(req.prompt_token_ids),
                          len(req.prompt_token_ids), fork=i) for i in range(1 if req.error else p.n)]
@@ -81,11 +90,29 @@ class LLMEngine(Engine):
                 s.logprobs = []
             if p.stop and self.tokenizer is not None:
                 s.stream = self.tokenizer.stream()
+            if compiled is not None:  # each fork its own state
+                s.grammar = constraints.GrammarState.replay(compiled, s.output_ids)
         if error:
             return [self._finish(s, "error", error) for s in seqs][-1]
         seqs[0].pending = seqs[1:]
         self.scheduler.add(seqs[0])
         return None
+
+    def _compiled(self, p) -> tuple[object, str | None]:
+        """(compiled grammar, None) for a constrained request, or (None, why it cannot run)."""
+        if self.tokenizer is None:
+            return None, "structured output needs the model's tokenizer, and this model has none"
+        try:
+            constraints.require()
+            c = constraints.compiler_for(self.tokenizer, self.model.cfg.vocab_size, self.eos_ids)
+            hits, t0 = c.hits, time.perf_counter()
+            try:
+                return c.get(p.constraint), None
+            finally:
+                self.stats.grammar_compile_s += time.perf_counter() - t0
+                self.stats.grammar_cache_hits += c.hits - hits
+        except ValueError as e:
+            return None, str(e)
 
     def _check(self, req: Request) -> str | None:
         ids, vocab = req.prompt_token_ids, self.model.cfg.vocab_size
@@ -111,6 +138,11 @@ class LLMEngine(Engine):
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def close(self) -> None:
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=False)
+            self._mask_pool = None
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -159,9 +191,12 @@ class LLMEngine(Engine):
             self._record(plan, 0.0, self.cache.usage(), len(self.scheduler.running))
             return done
         samplers, ids, pos, rows, attn, scoring = self._prepare(plan)
+        masks = self._start_masks(samplers)
         t2 = time.perf_counter()
         logits = self.model(ids, pos, attn, rows)
         t3 = time.perf_counter()
+        if masks is not None:
+            self._apply_masks(logits, masks)
         tokens, logprobs = self._sample(logits, samplers, scoring)
         t4 = time.perf_counter()
         self._advance(plan)
@@ -178,7 +213,7 @@ class LLMEngine(Engine):
             reason = self._append(s, tok)
             if reason:
                 self.scheduler.finish(s)
-                out = self._finish(s, reason)
+                out = self._finish(s, reason, s.error)
                 if out is not None:
                     done.append(out)
         t5 = time.perf_counter()
@@ -213,6 +248,31 @@ class LLMEngine(Engine):
         dev = self.model.device
         logit_rows += scoring.rows
         return samplers, to_device(ids, dev), to_device(pos, dev), to_device(logit_rows, dev), attn, scoring
+
+    def _start_masks(self, samplers: list[Sequence]):
+        """Start filling the grammar masks of the step's constrained rows (in a thread, so it
+        overlaps the forward pass); None when no row is constrained."""
+        if all(s.grammar is None for s in samplers):
+            return None
+        states = [s.grammar for s in samplers]
+        vocab = self.model.cfg.vocab_size
+        if not self.overlap_masks:
+            return _Done(_timed(constraints.fill_masks, states, vocab)), len(states) - states.count(None)
+        if self._mask_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="tinyllm-grammar")
+        return self._mask_pool.submit(_timed, constraints.fill_masks, states, vocab), len(states) - states.count(None)
+
+    def _apply_masks(self, logits, masks) -> None:
+        """Mask the sampling rows (the first len(samplers) rows of ``logits``) in one pass."""
+        job, constrained = masks
+        t0 = time.perf_counter()
+        bitmask, fill_s = job.result()
+        constraints.apply_masks(logits[:bitmask.shape[0]], bitmask)
+        st = self.stats
+        st.grammar_s += fill_s + time.perf_counter() - t0  # fill (overlapped) + wait and apply
+        st.grammar_wait_s += time.perf_counter() - t0
+        st.constrained_tokens += constrained
 
     @staticmethod
     def _score_rows(scoring: Scoring, s: Sequence, start: int, n: int, row: int) -> None:
@@ -275,10 +335,22 @@ class LLMEngine(Engine):
         if tok in p.stop_token_ids:
             s.stop_reason = tok
             return "stop"
+        g = s.grammar
+        if g is not None:
+            t0 = time.perf_counter()
+            ok = g.accept(tok)
+            self.stats.grammar_s += time.perf_counter() - t0
+            if not ok:
+                s.error = f"token {tok} broke the request's constraint (a masking bug); the output stops here"
+                return "error"
+            if g.terminated:  # a stop token the grammar allowed (ignore_eos kept it from ending above)
+                s.stop_reason = tok
+                return "stop"
         if s.stream is not None and self._hit_stop_string(s, tok):
             return "stop"
         if s.num_output >= p.max_new_tokens or s.num_tokens >= self.max_model_len:
-            return "length"
+            # A constrained output cut short is not a valid output: say so.
+            return "constraint_unfinished" if g is not None and not g.complete else "length"
         return None
 
     def _hit_stop_string(self, s: Sequence, tok: int) -> bool:
@@ -375,6 +447,22 @@ class LLMEngine(Engine):
             forward_s=round(forward_s, 6), shared_refs=u.shared_refs, cached_free=u.blocks_cached_free,
             shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs))
         self._step += 1
+
+
+class _Done:
+    """A finished job, shaped like a Future."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
 
 
 def _entry(token: int, vals: list[float], k: int, want: int) -> tuple:

@@ -40,10 +40,21 @@ class SamplingParams:
     logprobs: int | bool | None = None  # per output token: true, or k top alternatives too
     top_logprobs: int | None = None  # k alternatives when logprobs is true (OpenAI chat style)
     prompt_logprobs: int | bool | None = None  # per prompt token (scoring): true, or k alternatives
+    # Structured output (engine/constraints.py, needs tinyllm[structured]); at most one of these.
+    json_schema: dict | None = None  # the output is JSON valid against this schema
+    json_object: bool = False  # the output is any JSON object
+    regex: str | None = None  # the output matches this regular expression (whole output)
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # the output is in this context-free grammar (GBNF / EBNF text)
+    # OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}:
+    # turned into json_object / json_schema above and cleared.
+    response_format: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.response_format is not None:
+            _apply_response_format(self)
         self.validate()
 
     def validate(self) -> None:
@@ -67,10 +78,42 @@ class SamplingParams:
              "top_logprobs needs logprobs: true (or give logprobs as the number of alternatives)"),
             (_count_or_flag(self.prompt_logprobs),
              f"prompt_logprobs must be true, false or an integer from 0 to {MAX_LOGPROBS}"),
+            (self.json_schema is None or isinstance(self.json_schema, dict), "json_schema must be a JSON object"),
+            (isinstance(self.json_object, bool), "json_object must be true or false"),
+            (self.regex is None or (isinstance(self.regex, str) and self.regex), "regex must be a non-empty string"),
+            (self.choice is None or (isinstance(self.choice, list) and self.choice
+                                     and all(isinstance(c, str) and c for c in self.choice)),
+             "choice must be a non-empty list of non-empty strings"),
+            (self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip()),
+             "grammar must be a non-empty string"),
+            (len(self.constraint_fields) <= 1,
+             f"give only one of {', '.join(self.constraint_fields)} (one constraint per request)"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
+        if self.constraint_fields:
+            from .constraints import require
+            require()  # ValueError naming the install command when the extra is missing
+
+    @property
+    def constraint_fields(self) -> list[str]:
+        """The structured-output fields this request sets (at most one is valid)."""
+        return [k for k in CONSTRAINTS if getattr(self, k) not in (None, False)]
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, canonical text) of the request's constraint, None when unconstrained: the key
+        compiled grammars are cached by. Key order is kept: a schema's property order is the
+        order the output writes them in."""
+        kinds = self.constraint_fields
+        if not kinds:
+            return None
+        k = kinds[0]
+        v = getattr(self, k)
+        if k in ("json_schema", "choice"):
+            return k, json.dumps(v, ensure_ascii=False)
+        return k, "" if k == "json_object" else v
 
     @property
     def num_logprobs(self) -> int | None:
@@ -92,6 +135,28 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20  # the most alternatives per token, as vLLM's default max_logprobs
+CONSTRAINTS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _apply_response_format(p: SamplingParams) -> None:
+    """OpenAI's ``response_format`` -> ``json_object`` / ``json_schema`` (``strict`` is accepted:
+    tinyllm always constrains strictly, so every output validates against the schema)."""
+    rf, p.response_format = p.response_format, None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return
+    if kind == "json_object":
+        p.json_object = True
+        return
+    if kind == "json_schema":
+        inner = rf.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}")
+        p.json_schema = schema
+        return
+    raise ValueError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                     "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}}")
 
 
 def _num(x) -> bool:
@@ -173,6 +238,7 @@ class Sequence:
     fork: int = 0  # completion index within the request
     group: "Group | None" = None
     pending: list["Sequence"] = field(default_factory=list)  # forks waiting for this prompt (fork 0)
+    grammar: object = None  # constraints.GrammarState of a constrained request (one per fork)
     logprobs: list | None = None  # per output token: (logprob, [(alt id, alt logprob), ...])
 
     @property
@@ -236,7 +302,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "stop" | "length" | "error" (refused, or cut short: ``error`` says why)
+    # "stop" | "length" | "error" (refused, or cut short: ``error`` says why) | "constraint_unfinished"
+    # (a structured-output request ran out of max_new_tokens / max_model_len before its
+    # constraint was complete: the text is a prefix of a valid output, not a valid output).
+    finish_reason: str
     error: str | None = None
     stop_reason: str | int | None = None
     ttft_s: float | None = None

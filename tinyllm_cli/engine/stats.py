@@ -258,6 +258,13 @@ class RunStats:
     latency: Quantiles = field(default_factory=Quantiles)
     preemption_steps: Thinned = field(default_factory=Thinned)
     forward_s: float = 0.0
+    # Structured output: mask fill + apply + token accept (fill overlaps the forward pass, so
+    # grammar_wait_s is what the step actually waited for), compile time and cache hits.
+    grammar_s: float = 0.0
+    grammar_wait_s: float = 0.0
+    grammar_compile_s: float = 0.0
+    grammar_cache_hits: int = 0
+    constrained_tokens: int = 0
     phases: dict = field(default_factory=lambda: dict.fromkeys(
         ("schedule", "prepare", "forward", "sample", "postprocess"), 0.0))
 
@@ -311,6 +318,9 @@ class RunStats:
             "engine_overhead_frac": round(max(0.0, 1 - self.forward_s / el), 4),
             "phases_s": {k: round(v, 4) for k, v in self.phases.items()} | {
                 "outside_engine": round(max(0.0, el - sum(self.phases.values())), 4)},
+            "constrained_tokens": self.constrained_tokens, "grammar_s": round(self.grammar_s, 4),
+            "grammar_wait_s": round(self.grammar_wait_s, 4), "grammar_compile_s": round(self.grammar_compile_s, 4),
+            "grammar_cache_hits": self.grammar_cache_hits,
             "ttft_s": percentiles(self.ttft), "tpot_s": percentiles(self.tpot),
             "latency_s": percentiles(self.latency),
         }
