@@ -138,18 +138,19 @@ def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
     return parse_bytes(c.kv_memory)
 
 
-def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
+def make_cache(cfg: Config, rt: Runtime, tensors: bool = True) -> PagedKVCache:
+    """The run's KV cache; ``tensors=False`` builds its bookkeeping only (the simulator's)."""
     c, mcfg = cfg.cache, rt.model_cfg
     max_len = min(c.max_model_len, mcfg.max_position_embeddings)
     try:
         if c.kind == "slot":
             return SlotKVCache.from_budget(mcfg, kv_budget(cfg, mcfg, rt.dtype), max_len, rt.dtype, rt.device,
-                                           attention=c.attention)
+                                           attention=c.attention, tensors=tensors)
         if c.num_blocks is not None:
             return PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device,
-                                prefix_caching=c.prefix_caching, attention=c.attention)
+                                prefix_caching=c.prefix_caching, attention=c.attention, tensors=tensors)
         return PagedKVCache.from_budget(mcfg, parse_bytes(c.kv_memory), c.block_size, rt.dtype, rt.device,
-                                        prefix_caching=c.prefix_caching, attention=c.attention)
+                                        prefix_caching=c.prefix_caching, attention=c.attention, tensors=tensors)
     except CacheError as e:
         raise UsageError(str(e))
 

@@ -114,7 +114,7 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, scratch_slots: int | None = None, prefix_caching: bool = False,
-                 attention: str = "auto"):
+                 attention: str = "auto", tensors: bool = True):
         if block_size <= 0 or num_blocks <= 0:
             raise CacheError("block_size and num_blocks must be positive")
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
@@ -128,6 +128,23 @@ class PagedKVCache:
         # The scratch block follows the real ones; the slot cache needs only one scratch slot.
         self.scratch_slot = num_blocks * block_size
         total = self.scratch_slot + (block_size if scratch_slots is None else scratch_slots)
+        # tensors=False: bookkeeping only (tables, lengths, free list, prefix cache), no K/V
+        # pools; the simulator (sim/) drives the same scheduler decisions with it.
+        self.k = self.v = None
+        if tensors:
+            self._allocate_tensors(total)
+        self.pool = BlockPool(num_blocks, caching=prefix_caching)
+        self.allocator = self.pool.allocator
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+        self.hashes: dict[int, list[int]] = {}  # per sequence: chained hash of each full block
+        self.prefix_queries = 0  # prompt tokens looked up at admission
+        self.prefix_hits = 0  # of those, tokens whose K/V were reused
+        self.forks = 0  # sequences forked from a parent (parallel sampling)
+        self.cow_copies = 0  # shared blocks copied before a fork's first write into them
+
+    def _allocate_tensors(self, total: int) -> None:
+        cfg = self.cfg
         need = total * self.bytes_per_token
         if need > available_memory(self.device):
             raise CacheError(
@@ -138,19 +155,14 @@ class PagedKVCache:
         # wrote it, so zeroing the whole pool (0.16 s and every page touched for 1 GiB on CPU)
         # buys nothing. Only the scratch slots are read unwritten (masked padding), and a masked
         # weight of 0 times a NaN left in memory would still be NaN, so they must be finite.
-        self.k = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=dtype, device=self.device)
+        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
         self.k[:, self.scratch_slot:].zero_()
         self.v[:, self.scratch_slot:].zero_()
-        self.pool = BlockPool(num_blocks, caching=prefix_caching)
-        self.allocator = self.pool.allocator
-        self.tables: dict[int, list[int]] = {}
-        self.lens: dict[int, int] = {}
-        self.hashes: dict[int, list[int]] = {}  # per sequence: chained hash of each full block
-        self.prefix_queries = 0  # prompt tokens looked up at admission
-        self.prefix_hits = 0  # of those, tokens whose K/V were reused
-        self.forks = 0  # sequences forked from a parent (parallel sampling)
-        self.cow_copies = 0  # shared blocks copied before a fork's first write into them
+
+    @property
+    def has_tensors(self) -> bool:
+        return self.k is not None
 
     @property
     def prefix_caching(self) -> bool:
@@ -291,7 +303,7 @@ class PagedKVCache:
         j = self.lens[seq_id] // bs
         old, (new,) = table[j], self.pool.allocate(1)
         used = self.lens[seq_id] - j * bs
-        for pool in (self.k, self.v):
+        for pool in (self.k, self.v) if self.k is not None else ():
             pool[:, new * bs:new * bs + used].copy_(pool[:, old * bs:old * bs + used])
         self.pool.release([old])
         table[j] = new
@@ -336,10 +348,9 @@ class PagedKVCache:
         slot_mapping: list[int] = []
         for s in decode:
             slot_mapping += self.slots(s, self.lens[s], 1)
-            self.lens[s] += 1
         for s, start, n in prefill:
             slot_mapping += self.slots(s, start, n)
-            self.lens[s] = start + n
+        self.advance(decode, prefill)
         mapping = to_device(slot_mapping, self.device)
         if self.attention == "kernel":
             return StepAttention(list(self.k), list(self.v), mapping, len(decode), None, [],
@@ -354,6 +365,13 @@ class PagedKVCache:
             row += n
         rows = self._decode_rows(decode) if decode else None
         return StepAttention(list(self.k), list(self.v), mapping, len(decode), rows, segments)
+
+    def advance(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> None:
+        """The bookkeeping half of ``plan_step``: the step's tokens are stored (lengths grow)."""
+        for s in decode:
+            self.lens[s] += 1
+        for s, start, n in prefill:
+            self.lens[s] = start + n
 
     def _padded_tables(self, seqs: list[int]) -> torch.Tensor:
         nb = max(len(self.tables[s]) for s in seqs)
@@ -407,8 +425,9 @@ class SlotKVCache(PagedKVCache):
 
     kind = "slot"
 
-    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype, device, attention: str = "auto"):
-        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1, attention=attention)
+    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype, device, attention: str = "auto",
+                 tensors: bool = True):
+        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1, attention=attention, tensors=tensors)
         self.max_len = max_len
 
     @classmethod

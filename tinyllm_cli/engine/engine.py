@@ -65,6 +65,9 @@ class LLMEngine(Engine):
         self._token_text: dict[int, str | None] = {}
         self.observers: list = []
 
+    # The engine's clock (wall time); the simulator (sim/engine.py) runs the same code on virtual time.
+    clock = staticmethod(time.perf_counter)
+
     # ---- requests in ---------------------------------------------------------------------
 
     def add_request(self, req: Request) -> RequestOutput | None:
@@ -72,8 +75,9 @@ class LLMEngine(Engine):
         error = req.error or self._check(req)
         p = req.params
         seed = request_seed(self.seed, req)
+        now = self._arrival(req)
         seqs = [Sequence(next(self._ids), req, fork_seed(seed, i), list(req.prompt_token_ids),
-                         len(req.prompt_token_ids), fork=i) for i in range(1 if req.error else p.n)]
+                         len(req.prompt_token_ids), arrival=now, fork=i) for i in range(1 if req.error else p.n)]
         group = Group(req, seqs, prompt_logprobs=None if p.num_prompt_logprobs is None else [None])
         for s in seqs:
             s.group = group
@@ -86,6 +90,9 @@ class LLMEngine(Engine):
         seqs[0].pending = seqs[1:]
         self.scheduler.add(seqs[0])
         return None
+
+    def _arrival(self, req: Request) -> float:
+        return self.clock()
 
     def _check(self, req: Request) -> str | None:
         ids, vocab = req.prompt_token_ids, self.model.cfg.vocab_size
@@ -121,7 +128,8 @@ class LLMEngine(Engine):
     def reset_stats(self) -> None:
         """A new run's figures; the pool (and the prefix cache in it) stays as it is."""
         c = self.cache
-        self.stats = RunStats(c.kind, c.block_size, c.num_blocks, c.kv_bytes, self.scheduler.max_num_seqs, cache=c)
+        self.stats = RunStats(c.kind, c.block_size, c.num_blocks, c.kv_bytes, self.scheduler.max_num_seqs, cache=c,
+                              start=self.clock(), clock=self.clock)
 
     def add_observer(self, observer) -> None:
         self.observers.append(observer)
@@ -266,7 +274,7 @@ class LLMEngine(Engine):
         """Append a sampled token; return a finish reason if the sequence is done."""
         s.tokens.append(tok)
         if s.first_token_time is None:
-            s.first_token_time = time.perf_counter()
+            s.first_token_time = self.clock()
         s.status = Status.DECODE
         p = s.request.params
         if not p.ignore_eos and tok in self.eos_ids:
@@ -300,7 +308,7 @@ class LLMEngine(Engine):
 
     def _finish(self, s: Sequence, reason: str, error: str | None = None) -> RequestOutput | None:
         """Mark ``s`` finished; its request's output once the last of its n sequences is."""
-        s.status, s.finish_reason, s.finish_time, s.error = Status.FINISHED, reason, time.perf_counter(), error
+        s.status, s.finish_reason, s.finish_time, s.error = Status.FINISHED, reason, self.clock(), error
         g = s.group
         g.finished += 1
         if g.finished < len(g.seqs):
@@ -367,8 +375,8 @@ class LLMEngine(Engine):
         if n_pre:
             self.stats.preemption_steps.append(self._step)
         self.stats.forward_s += forward_s
-        self.stats.steps.append(StepRecord(
-            step=self._step, t=round(time.perf_counter() - self.stats.start, 6), running=running,
+        self.stats.record_step(StepRecord(
+            step=self._step, t=round(self.clock() - self.stats.start, 6), running=running,
             waiting=len(self.scheduler.waiting), blocks_used=u.blocks_used, blocks_free=u.blocks_free,
             tokens_stored=u.tokens_stored, slots_allocated=u.slots_allocated,
             prefill_tokens=sum(n for _, _, n in plan.prefill), decode_tokens=len(plan.decode), preempted=n_pre,
