@@ -166,11 +166,7 @@ class LLMEngine(Engine):
         if plan.empty:
             self._record(plan, 0.0, self.cache.usage(), len(self.scheduler.running))
             return done
-        samplers, ids, pos, rows, attn, scoring = self._prepare(plan)
-        t2 = time.perf_counter()
-        logits = self.model(ids, pos, attn, rows)
-        t3 = time.perf_counter()
-        tokens, logprobs = self._sample(logits, samplers, scoring)
+        samplers, tokens, logprobs, forward_s = self._compute(plan)
         t4 = time.perf_counter()
         self._advance(plan)
         for s in samplers:
@@ -189,13 +185,26 @@ class LLMEngine(Engine):
                 out = self._finish(s, reason)
                 if out is not None:
                     done.append(out)
-        t5 = time.perf_counter()
+        clock["postprocess"] += time.perf_counter() - t4
+        self._record(plan, forward_s, usage, running)
+        return done
+
+    def _compute(self, plan: Plan):
+        """The step's computation: pack, forward, sample. Returns (samplers, their tokens, their
+        log-probability entries, forward seconds); the cache stores the step's tokens. This is
+        the one part the simulator (``sim/engine.py``) replaces, by a measured step-cost model."""
+        clock = self.stats.phases
+        t1 = time.perf_counter()
+        samplers, ids, pos, rows, attn, scoring = self._prepare(plan)
+        t2 = time.perf_counter()
+        logits = self.model(ids, pos, attn, rows)
+        t3 = time.perf_counter()
+        tokens, logprobs = self._sample(logits, samplers, scoring)
+        t4 = time.perf_counter()
         clock["prepare"] += t2 - t1
         clock["forward"] += t3 - t2
         clock["sample"] += t4 - t3
-        clock["postprocess"] += t5 - t4
-        self._record(plan, t3 - t2, usage, running)
-        return done
+        return samplers, tokens, logprobs, t3 - t2
 
     def _prepare(self, plan: Plan):
         """Pack the step's tokens; returns (samplers, ids, positions, logit rows, attention,
