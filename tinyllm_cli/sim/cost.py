@@ -64,6 +64,7 @@ class CostModel:
     threads: int = 0
     model_config: dict = field(default_factory=dict)
     fit: dict = field(default_factory=dict)  # per kind: steps, R^2, median relative error
+    samples: dict = field(default_factory=dict)  # per kind: the timed steps, [features..., seconds]
     made_with: str = ""
     version: int = PROFILE_VERSION
 
@@ -135,18 +136,19 @@ def nnls(X: list[list[float]], y: list[float], weights: list[float] | None = Non
 
 
 def fit(samples: list[tuple[list[float], float]]) -> tuple[list[float], dict]:
-    """Coefficients from (features, seconds) samples, weighted by 1/t (relative error matters)."""
+    """Coefficients from (features, seconds) samples: plain (unweighted) non-negative least
+    squares, which keeps the sum of step times, so throughput and latencies, right."""
     X = [f for f, _ in samples]
     y = [t for _, t in samples]
-    c = nnls(X, y, [1 / max(t, 1e-6) ** 2 for t in y])
+    c = [float(x) for x in nnls(X, y)]
     pred = [sum(a * b for a, b in zip(c, f)) for f in X]
     rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
     mean = sum(y) / len(y)
     ss = sum((t - mean) ** 2 for t in y) or 1e-12
     r2 = 1 - sum((p - t) ** 2 for p, t in zip(pred, y)) / ss
     total = sum(pred) / max(sum(y), 1e-12) - 1
-    return c, {"steps": len(y), "r2": round(r2, 4), "median_rel_err": round(rel[len(rel) // 2], 4),
-               "total_time_err": round(total, 4)}
+    return c, {"steps": len(y), "r2": round(float(r2), 4), "median_rel_err": round(float(rel[len(rel) // 2]), 4),
+               "total_time_err": round(float(total), 4)}
 
 
 class StepTimer:
@@ -188,7 +190,7 @@ def calibrate(cfg, kinds=("paged", "slot"), quiet: bool = False, scale: float = 
 
     from ..llm import LLM
     from ..workload import random_prompts, requests_for
-    coefs, fits = {}, {}
+    coefs, fits, samples = {}, {}, {}
     with LLM(config=cfg, progress=not quiet) as llm:
         rt = llm.runtime
         mcfg = rt.model_cfg
@@ -211,7 +213,8 @@ def calibrate(cfg, kinds=("paged", "slot"), quiet: bool = False, scale: float = 
                     print(f"calibrate {kind}: workload {i + 1}/{len(CALIBRATION)} ({num} x {inp} in / {out} out), "
                           f"{len(timer.samples)} steps timed", file=sys.stderr)
             coefs[kind], fits[kind] = fit(timer.samples)
+            samples[kind] = [[round(x, 3) for x in f] + [round(t, 6)] for f, t in timer.samples]
         facts = rt.facts()
     return CostModel(coefs=coefs, model=facts["model"], dtype=facts["dtype"], device=facts["device"],
-                     threads=torch.get_num_threads(), model_config=asdict(mcfg), fit=fits,
+                     threads=torch.get_num_threads(), model_config=asdict(mcfg), fit=fits, samples=samples,
                      made_with="tinyllm simulate calibrate")
