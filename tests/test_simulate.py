@@ -106,8 +106,8 @@ def test_skip_ahead_equals_step_by_step(llama_dir, seed):
         e = sim.engines[0]
         runs.append((outs, e.stats.timeline(), sim.summary()["preemptions"], dict(e.cache.tables), e.skipped_steps))
     (o1, t1, p1, tb1, _), (o2, t2, p2, tb2, skipped) = runs
+    assert skipped > 0  # the windows were taken, and changed nothing
     assert p1 == p2 and tb1 == tb2
-    assert [x[:3] + (x[3],) for x in o1] == [x for x in o2] or o1 == o2
     for x, y in zip(o1, o2):
         assert x[0] == y[0] and x[3] == y[3] and x[1] == pytest.approx(y[1], abs=1e-9) and x[2] == pytest.approx(y[2], abs=1e-9)
     assert len(t1) == len(t2)
@@ -181,3 +181,35 @@ def test_fit_recovers_coefficients():
     assert info["r2"] > 0.999
     for a, b in zip(c, true):
         assert a == pytest.approx(b, rel=1e-3, abs=1e-12)
+
+
+def test_cli_simulate_stats_keys_and_bad_trace(tmp_path, capsys):
+    from tinyllm_cli.cli import main
+    from tinyllm_cli.engine.stats import RunStats
+    out = tmp_path / "s.json"
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--num-requests", "50", "--input-len", "64", "--output-len", "16", "--arrivals", "poisson",
+              "--request-rate", "5", "--ttft-slo", "1", "--stats-json", str(out), "-q"])
+    assert e.value.code == 0
+    s = json.loads(out.read_text())
+    assert set(RunStats("paged", 16, 1, 1, 1).summary()) <= set(s)
+    assert s["num_requests"] == 50 and s["simulated"] and "goodput_req_per_s" in s["slo"]
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"prompt_len": 3}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--trace", str(bad), "-q"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "line 1" in err and "output_len" in err
+
+
+def test_cli_simulate_sweep(tmp_path):
+    from tinyllm_cli.cli import main
+    out = tmp_path / "rows.json"
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--num-requests", "40", "--input-len", "64", "--output-len", "16", "--num-blocks", "64",
+              "--sweep", "max_num_seqs=2,8", "--stats-json", str(out), "-q"])
+    assert e.value.code == 0
+    rows = json.loads(out.read_text())
+    assert [r["sweep"] for r in rows] == ["max_num_seqs=2", "max_num_seqs=8"]
+    assert rows[1]["output_tokens_per_s"] > rows[0]["output_tokens_per_s"]
