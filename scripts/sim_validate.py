@@ -31,7 +31,7 @@ WORKLOADS = {
     "offline decode-heavy": dict(num=int(32 * S), input_len=32, output_len=128, arrivals="offline"),
     "poisson 2 req/s": dict(num=int(32 * S), input_len=128, output_len=48, arrivals="poisson", rate=2.0),
 }
-CACHES = {"paged tight": dict(cache="paged", num_blocks=96, block_size=16, max_num_seqs=16),
+CACHES = {"paged tight": dict(cache="paged", num_blocks=48, block_size=16, max_num_seqs=16),
           "slot": dict(cache="slot", kv_memory=str(8 * 1024 * 46080), max_model_len=1024, max_num_seqs=16)}
 
 
