@@ -141,12 +141,13 @@ def fit(samples: list[tuple[list[float], float]]) -> tuple[list[float], dict]:
     X = [f for f, _ in samples]
     y = [t for _, t in samples]
     c = [float(x) for x in nnls(X, y)]
-    # Robust to a busy machine: steps slowed by other processes (far above the fit) are dropped
-    # and the rest refitted, twice.
+    # Robust to a busy machine: decode steps slowed by other processes (far off the fit) are
+    # dropped and the rest refitted, twice. Steps with prefill are few and far apart in size,
+    # so they are always kept.
     for _ in range(2):
         res = [t - sum(a * b for a, b in zip(c, f)) for f, t in zip(X, y)]
         mad = sorted(abs(r) for r in res)[len(res) // 2] or 1e-9
-        keep = [i for i, r in enumerate(res) if abs(r) <= 5 * mad] if len(res) > 20 else list(range(len(res)))
+        keep = [i for i, r in enumerate(res) if X[i][3] > 0 or abs(r) <= 5 * mad] if len(res) > 20 else list(range(len(res)))
         c = [float(x) for x in nnls([X[i] for i in keep], [y[i] for i in keep])]
     dropped = len(y) - len(keep) if len(y) > 20 else 0
     pred = [sum(a * b for a, b in zip(c, f)) for f in X]
@@ -176,8 +177,8 @@ class StepTimer:
         pass
 
     def gap(self) -> None:
-        """The next step follows no step (a new run): do not time it against the last one."""
-        self._last = None
+        """A new run starts now: its first step (often its biggest prefill) is timed from here."""
+        self._last = time.perf_counter()
 
 
 # ---- calibration -----------------------------------------------------------------------------
