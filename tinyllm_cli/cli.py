@@ -307,6 +307,67 @@ def plot_command(
     raise typer.Exit(run_plot(stats, output))
 
 
+# ---- simulate ------------------------------------------------------------------------------
+
+sim_app = typer.Typer(no_args_is_help=False, help="Replay a trace through the real scheduler and block pool with a measured step-cost model.")
+app.add_typer(sim_app, name="simulate")
+
+
+@sim_app.callback(invoke_without_command=True)
+@shared("config", "model", "CACHE", "SCHEDULER", "workers", "RUN", "plot")
+def simulate(
+    ctx: typer.Context,
+    trace: Annotated[Optional[str], typer.Option("--trace", "-t", help="Requests JSONL (arrival_s, prompt_len, output_len, ...), or a generate / serve-batch output file.")] = None,
+    profile: Annotated[Optional[Path], typer.Option("--profile", help="Step-cost profile JSON (default: the shipped one for the default model).")] = None,
+    num_requests: Annotated[int, typer.Option(help="Without --trace: synthetic requests to generate.")] = 1000,
+    input_len: Annotated[int, typer.Option(help="Synthetic: mean prompt length.")] = 256,
+    output_len: Annotated[int, typer.Option(help="Synthetic: mean output length.")] = 128,
+    range_ratio: Annotated[float, typer.Option(help="Synthetic: lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
+    arrivals: Annotated[str, typer.Option(help="Synthetic: offline, poisson or gamma.")] = "offline",
+    request_rate: Annotated[float, typer.Option(help="Synthetic: arrivals per second (poisson, gamma).")] = 1.0,
+    burstiness: Annotated[float, typer.Option(help="Synthetic gamma arrivals: shape (< 1 burstier than Poisson).")] = 1.0,
+    prefix_len: Annotated[int, typer.Option(help="Synthetic: shared-prefix tokens per prompt.")] = 0,
+    num_prefixes: Annotated[int, typer.Option(help="Synthetic: distinct shared prefixes.")] = 1,
+    workload_seed: Annotated[int, typer.Option("--workload-seed", help="Synthetic: seed.")] = 0,
+    save_trace: Annotated[Optional[str], typer.Option("--save-trace", help="Also write the trace used as JSONL.")] = None,
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="KEY=V1,V2,..: block_size, num_blocks, max_num_seqs, max_prefill_tokens or workers.")] = None,
+    ttft_slo: Annotated[Optional[float], typer.Option("--ttft-slo", help="SLO on TTFT (s) for goodput.")] = None,
+    tpot_slo: Annotated[Optional[float], typer.Option("--tpot-slo", help="SLO on TPOT (s) for goodput.")] = None,
+    skip_ahead: Annotated[bool, typer.Option("--skip-ahead/--no-skip-ahead", help="Advance decode-only stretches in bulk (same decisions).")] = True,
+    opts: Opts = None,
+):
+    """Simulate a trace: the real scheduler and cache bookkeeping, no model; same stats as a real run."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from .commands.simulate import run_simulate
+    from .plot import prepare
+    from .workload import check_workload
+    prepare(opts.plot)
+    if trace is None:
+        check_workload(num_requests, input_len, output_len, range_ratio)
+    cfg = opts.config()
+    gen = dict(num=num_requests, input_len=input_len, output_len=output_len, arrivals=arrivals, rate=request_rate,
+               burstiness=burstiness, range_ratio=range_ratio, prefix_len=prefix_len, num_prefixes=num_prefixes,
+               seed=workload_seed)
+    raise typer.Exit(run_simulate(cfg, trace=trace, profile=profile, gen=gen, sweep=sweep, ttft_slo=ttft_slo,
+                                  tpot_slo=tpot_slo, save_trace=save_trace, quiet=opts.quiet,
+                                  stats_json=opts.stats_json, plot=opts.plot, skip_ahead=skip_ahead))
+
+
+@sim_app.command("calibrate")
+@shared("MODEL", "CACHE", "max_prefill_tokens", "quiet", "debug")
+def simulate_calibrate(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Profile JSON to write.")],
+    scale: Annotated[float, typer.Option(help="Shrink the calibration workloads (0.1 .. 1).")] = 1.0,
+    opts: Opts = None,
+):
+    """Time real steps of the configured model on this machine and fit a step-cost profile."""
+    from .commands.simulate import run_calibrate
+    if not 0 < scale <= 1:
+        raise UsageError("--scale must be in (0, 1]")
+    raise typer.Exit(run_calibrate(opts.config(), output, opts.quiet, scale))
+
+
 # ---- entry point ---------------------------------------------------------------------------
 
 def _on_signal(signum, frame):

@@ -162,20 +162,23 @@ def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype, device: t
     return KVBudget(size, how)
 
 
-def make_cache(cfg: Config, rt: Runtime) -> PagedKVCache:
+def make_cache(cfg: Config, rt: Runtime, tensors: bool = True) -> PagedKVCache:
+    """The run's KV cache; ``tensors=False`` builds its bookkeeping only (the simulator's)."""
     c, mcfg = cfg.cache, rt.model_cfg
     salt = prefix_salt(mcfg, rt.dtype, rt.describe())  # prefix-cache keys name the model, dtype, gemm, quant
     max_len = min(c.max_model_len, mcfg.max_position_embeddings)
     budget = kv_budget(cfg, mcfg, rt.dtype, rt.device)
     try:
         if c.kind == "slot":
-            cache = SlotKVCache.from_budget(mcfg, budget.bytes, max_len, rt.dtype, rt.device, attention=c.attention)
+            cache = SlotKVCache.from_budget(mcfg, budget.bytes, max_len, rt.dtype, rt.device, attention=c.attention,
+                                            tensors=tensors)
         elif c.num_blocks is not None:
-            cache = PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device,
-                                 prefix_caching=c.prefix_caching, attention=c.attention, salt=salt)
+            cache = PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device, prefix_caching=c.prefix_caching,
+                                 attention=c.attention, salt=salt, tensors=tensors)
         else:
             cache = PagedKVCache.from_budget(mcfg, budget.bytes, c.block_size, rt.dtype, rt.device,
-                                             prefix_caching=c.prefix_caching, attention=c.attention, salt=salt)
+                                             prefix_caching=c.prefix_caching, attention=c.attention, salt=salt,
+                                             tensors=tensors)
     except CacheError as e:
         raise UsageError(str(e))
     cache.sizing = budget.how

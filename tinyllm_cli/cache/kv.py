@@ -121,7 +121,7 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, scratch_slots: int | None = None, prefix_caching: bool = False,
-                 attention: str = "auto", salt: bytes | None = None):
+                 attention: str = "auto", salt: bytes | None = None, tensors: bool = True):
         if block_size <= 0 or num_blocks <= 0:
             raise CacheError("block_size and num_blocks must be positive")
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
@@ -135,20 +135,11 @@ class PagedKVCache:
         # The scratch block follows the real ones; the slot cache needs only one scratch slot.
         self.scratch_slot = num_blocks * block_size
         total = self.scratch_slot + (block_size if scratch_slots is None else scratch_slots)
-        need = total * self.bytes_per_token
-        if need > available_memory(self.device):
-            raise CacheError(
-                f"the KV cache needs {need / 2**20:.0f} MiB but only "
-                f"{available_memory(self.device) / 2**20:.0f} MiB are available on {self.device}")
-        shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
-        # Uninitialised on purpose: a slot is only ever read after this step or an earlier one
-        # wrote it, so zeroing the whole pool (0.16 s and every page touched for 1 GiB on CPU)
-        # buys nothing. Only the scratch slots are read unwritten (masked padding), and a masked
-        # weight of 0 times a NaN left in memory would still be NaN, so they must be finite.
-        self.k = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=dtype, device=self.device)
-        self.k[:, self.scratch_slot:].zero_()
-        self.v[:, self.scratch_slot:].zero_()
+        # tensors=False: bookkeeping only (tables, lengths, free list, prefix cache), no K/V
+        # pools; the simulator (sim/) drives the same scheduler decisions with it.
+        self.k = self.v = None
+        if tensors:
+            self._allocate_tensors(total)
         self.pool = BlockPool(num_blocks, caching=prefix_caching)
         self.allocator = self.pool.allocator
         self.tables: dict[int, list[int]] = {}
@@ -164,6 +155,27 @@ class PagedKVCache:
         self.prefix_hits = 0  # of those, tokens whose K/V were reused
         self.forks = 0  # sequences forked from a parent (parallel sampling)
         self.cow_copies = 0  # shared blocks copied before a fork's first write into them
+
+    def _allocate_tensors(self, total: int) -> None:
+        cfg = self.cfg
+        need = total * self.bytes_per_token
+        if need > available_memory(self.device):
+            raise CacheError(
+                f"the KV cache needs {need / 2**20:.0f} MiB but only "
+                f"{available_memory(self.device) / 2**20:.0f} MiB are available on {self.device}")
+        shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
+        # Uninitialised on purpose: a slot is only ever read after this step or an earlier one
+        # wrote it, so zeroing the whole pool (0.16 s and every page touched for 1 GiB on CPU)
+        # buys nothing. Only the scratch slots are read unwritten (masked padding), and a masked
+        # weight of 0 times a NaN left in memory would still be NaN, so they must be finite.
+        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.k[:, self.scratch_slot:].zero_()
+        self.v[:, self.scratch_slot:].zero_()
+
+    @property
+    def has_tensors(self) -> bool:
+        return self.k is not None
 
     @property
     def prefix_caching(self) -> bool:
@@ -316,7 +328,7 @@ class PagedKVCache:
         j = self.lens[seq_id] // bs
         old, (new,) = table[j], self.pool.allocate(1)
         used = self.lens[seq_id] - j * bs
-        for pool in (self.k, self.v):
+        for pool in (self.k, self.v) if self.k is not None else ():
             pool[:, new * bs:new * bs + used].copy_(pool[:, old * bs:old * bs + used])
         self.pool.release([old])
         table[j] = new
@@ -361,10 +373,9 @@ class PagedKVCache:
         slot_mapping: list[int] = []
         for s in decode:
             slot_mapping += self.slots(s, self.lens[s], 1)
-            self.lens[s] += 1
         for s, start, n in prefill:
             slot_mapping += self.slots(s, start, n)
-            self.lens[s] = start + n
+        self.advance(decode, prefill)
         mapping = to_device(slot_mapping, self.device)
         if self.attention == "kernel":
             return StepAttention(list(self.k), list(self.v), mapping, len(decode), None, [],
@@ -379,6 +390,13 @@ class PagedKVCache:
             row += n
         rows = self._decode_rows(decode) if decode else None
         return StepAttention(list(self.k), list(self.v), mapping, len(decode), rows, segments)
+
+    def advance(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> None:
+        """The bookkeeping half of ``plan_step``: the step's tokens are stored (lengths grow)."""
+        for s in decode:
+            self.lens[s] += 1
+        for s, start, n in prefill:
+            self.lens[s] = start + n
 
     def _padded_tables(self, seqs: list[int]) -> torch.Tensor:
         nb = max(len(self.tables[s]) for s in seqs)
@@ -432,8 +450,9 @@ class SlotKVCache(PagedKVCache):
 
     kind = "slot"
 
-    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype, device, attention: str = "auto"):
-        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1, attention=attention)
+    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype, device, attention: str = "auto",
+                 tensors: bool = True):
+        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1, attention=attention, tensors=tensors)
         self.max_len = max_len
 
     @classmethod

@@ -19,7 +19,6 @@ seed and the request's own identity (``request.id``) alone, unless the request b
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 
 from .request import Request, RequestOutput
@@ -81,4 +80,4 @@ class Engine:
                     break
                 continue
             yield from self.step()
-        self.stats.end = time.perf_counter()
+        self.stats.end = self.stats.clock()

@@ -71,6 +71,9 @@ class LLMEngine(Engine):
         self._mask_pool = None  # a thread that fills grammar masks during the forward pass
         self.overlap_masks = True  # False: fill them after the forward (scripts/structured_bench.py A/B)
 
+    # The engine's clock (wall time); the simulator (sim/engine.py) runs the same code on virtual time.
+    clock = staticmethod(time.perf_counter)
+
     # ---- requests in ---------------------------------------------------------------------
 
     def add_request(self, req: Request) -> RequestOutput | None:
@@ -81,8 +84,9 @@ class LLMEngine(Engine):
         if not error and p.constraint_fields:
             compiled, error = self._compiled(p)
         seed = request_seed(self.seed, req)
+        now = self._arrival(req)
         seqs = [Sequence(next(self._ids), req, fork_seed(seed, i), list(req.prompt_token_ids),
-                         len(req.prompt_token_ids), fork=i) for i in range(1 if req.error else p.n)]
+                         len(req.prompt_token_ids), arrival=now, fork=i) for i in range(1 if req.error else p.n)]
         group = Group(req, seqs, prompt_logprobs=None if p.num_prompt_logprobs is None else [None])
         for s in seqs:
             s.group = group
@@ -113,6 +117,9 @@ class LLMEngine(Engine):
                 self.stats.grammar_cache_hits += c.hits - hits
         except ValueError as e:
             return None, str(e)
+
+    def _arrival(self, req: Request) -> float:
+        return self.clock()
 
     def _check(self, req: Request) -> str | None:
         ids, vocab = req.prompt_token_ids, self.model.cfg.vocab_size
@@ -153,7 +160,8 @@ class LLMEngine(Engine):
     def reset_stats(self) -> None:
         """A new run's figures; the pool (and the prefix cache in it) stays as it is."""
         c = self.cache
-        self.stats = RunStats(c.kind, c.block_size, c.num_blocks, c.kv_bytes, self.scheduler.max_num_seqs, cache=c)
+        self.stats = RunStats(c.kind, c.block_size, c.num_blocks, c.kv_bytes, self.scheduler.max_num_seqs, cache=c,
+                              start=self.clock(), clock=self.clock)
 
     def add_observer(self, observer) -> None:
         self.observers.append(observer)
@@ -190,14 +198,7 @@ class LLMEngine(Engine):
         if plan.empty:
             self._record(plan, 0.0, self.cache.usage(), len(self.scheduler.running))
             return done
-        samplers, ids, pos, rows, attn, scoring = self._prepare(plan)
-        masks = self._start_masks(samplers)
-        t2 = time.perf_counter()
-        logits = self.model(ids, pos, attn, rows)
-        t3 = time.perf_counter()
-        if masks is not None:
-            self._apply_masks(logits, masks)
-        tokens, logprobs = self._sample(logits, samplers, scoring)
+        samplers, tokens, logprobs, forward_s = self._compute(plan)
         t4 = time.perf_counter()
         self._advance(plan)
         for s in samplers:
@@ -216,13 +217,29 @@ class LLMEngine(Engine):
                 out = self._finish(s, reason, s.error)
                 if out is not None:
                     done.append(out)
-        t5 = time.perf_counter()
+        clock["postprocess"] += time.perf_counter() - t4
+        self._record(plan, forward_s, usage, running)
+        return done
+
+    def _compute(self, plan: Plan):
+        """The step's computation: pack, forward, sample. Returns (samplers, their tokens, their
+        log-probability entries, forward seconds); the cache stores the step's tokens. This is
+        the one part the simulator (``sim/engine.py``) replaces, by a measured step-cost model."""
+        clock = self.stats.phases
+        t1 = time.perf_counter()
+        samplers, ids, pos, rows, attn, scoring = self._prepare(plan)
+        masks = self._start_masks(samplers)  # grammar masks fill while the forward runs
+        t2 = time.perf_counter()
+        logits = self.model(ids, pos, attn, rows)
+        t3 = time.perf_counter()
+        if masks is not None:
+            self._apply_masks(logits, masks)
+        tokens, logprobs = self._sample(logits, samplers, scoring)
+        t4 = time.perf_counter()
         clock["prepare"] += t2 - t1
         clock["forward"] += t3 - t2
         clock["sample"] += t4 - t3
-        clock["postprocess"] += t5 - t4
-        self._record(plan, t3 - t2, usage, running)
-        return done
+        return samplers, tokens, logprobs, t3 - t2
 
     def _prepare(self, plan: Plan):
         """Pack the step's tokens; returns (samplers, ids, positions, logit rows, attention,
@@ -326,7 +343,7 @@ class LLMEngine(Engine):
         """Append a sampled token; return a finish reason if the sequence is done."""
         s.tokens.append(tok)
         if s.first_token_time is None:
-            s.first_token_time = time.perf_counter()
+            s.first_token_time = self.clock()
         s.status = Status.DECODE
         p = s.request.params
         if not p.ignore_eos and tok in self.eos_ids:
@@ -372,7 +389,7 @@ class LLMEngine(Engine):
 
     def _finish(self, s: Sequence, reason: str, error: str | None = None) -> RequestOutput | None:
         """Mark ``s`` finished; its request's output once the last of its n sequences is."""
-        s.status, s.finish_reason, s.finish_time, s.error = Status.FINISHED, reason, time.perf_counter(), error
+        s.status, s.finish_reason, s.finish_time, s.error = Status.FINISHED, reason, self.clock(), error
         g = s.group
         g.finished += 1
         if g.finished < len(g.seqs):
@@ -440,7 +457,7 @@ class LLMEngine(Engine):
             self.stats.preemption_steps.append(self._step)
         self.stats.forward_s += forward_s
         self.stats.record_step(StepRecord(
-            step=self._step, t=round(time.perf_counter() - self.stats.start, 6), running=running,
+            step=self._step, t=round(self.clock() - self.stats.start, 6), running=running,
             waiting=len(self.scheduler.waiting), blocks_used=u.blocks_used, blocks_free=u.blocks_free,
             tokens_stored=u.tokens_stored, slots_allocated=u.slots_allocated,
             prefill_tokens=sum(n for _, _, n in plan.prefill), decode_tokens=len(plan.decode), preempted=n_pre,

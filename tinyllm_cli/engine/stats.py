@@ -267,6 +267,8 @@ class RunStats:
     constrained_tokens: int = 0
     phases: dict = field(default_factory=lambda: dict.fromkeys(
         ("schedule", "prepare", "forward", "sample", "postprocess"), 0.0))
+    # The run's clock: wall time, or a simulator's virtual time (then ``start`` is on it too).
+    clock: object = field(default=time.perf_counter, repr=False, compare=False)
 
     def record_step(self, rec: StepRecord) -> None:
         self.totals.add(rec)
@@ -285,7 +287,7 @@ class RunStats:
                 xs.add(v)
 
     def elapsed(self) -> float:
-        return (self.end or time.perf_counter()) - self.start
+        return (self.end if self.end is not None else self.clock()) - self.start
 
     def summary(self) -> dict:
         el = max(self.elapsed(), 1e-9)

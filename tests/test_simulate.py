@@ -1,0 +1,215 @@
+"""tinyllm simulate: the same scheduling decisions as a real engine, skip-ahead equal to stepping
+one by one, trace readers that reject bad lines with one sentence."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from tinyllm_cli.errors import UsageError
+from tinyllm_cli.sim.cost import CostModel, fit
+from tinyllm_cli.sim.run import Simulation
+from tinyllm_cli.sim.trace import TraceItem, generate_trace, read_trace, to_requests
+
+COEFS = [2e-3, 1e-4, 1e-7, 5e-5, 1e-8, 1e-4]
+
+
+def tiny_cost(model_cfg) -> CostModel:
+    return CostModel(coefs={"paged": COEFS, "slot": COEFS}, model="tiny", model_config=dataclasses.asdict(model_cfg))
+
+
+class Plans:
+    """Each step's decisions: decode ids, prefill chunks, preempted ids, prefix-hit tokens so far."""
+
+    def __init__(self):
+        self.steps = []
+
+    def __call__(self, engine, plan):
+        self.steps.append(([s.seq_id for s in plan.decode], [(s.seq_id, a, n) for s, a, n in plan.prefill],
+                           [s.seq_id for s in plan.preempted], engine.cache.prefix_hits,
+                           engine.cache.usage().blocks_used))
+
+    def finish(self, engine):
+        pass
+
+
+def items_mixed(n, seed, groups=3, timed=False):
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for i in range(n):
+        g = i % groups if rng.random() < 0.6 else None
+        pl = rng.randint(5, 60)
+        if timed:
+            t += rng.expovariate(40.0)
+        out.append(TraceItem(str(i), round(t, 6) if timed else None, pl + (12 if g is not None else 0),
+                             rng.randint(1, 40), None, g, 12 if g is not None else 0))
+    return out
+
+
+@pytest.mark.parametrize("cache,blocks", [("paged", 24), ("paged", 200), ("slot", None)])
+def test_same_decisions_as_real_engine(llama_dir, cache, blocks):
+    from tinyllm_cli import LLM
+    settings = dict(device="cpu", dtype="float32", cache=cache, block_size=4, max_num_seqs=6,
+                    max_prefill_tokens=48, max_model_len=128, prefix_cache=True)
+    if blocks:
+        settings["num_blocks"] = blocks
+    else:
+        settings["kv_memory"] = str(4 * 128 * 2 * 3 * 2 * 16 * 4)  # four slots of 128 tokens
+    with LLM(str(llama_dir), progress=False, **settings) as llm:
+        items = items_mixed(30, seed=1)
+        reqs = list(to_requests(items, llm.runtime.model_cfg.vocab_size))
+        real = Plans()
+        llm.engine.add_observer(real)
+        outs = {o.id: o for o in llm.engine.run(reqs)}
+        cost = tiny_cost(llm.runtime.model_cfg)
+        sim = Simulation(llm.config, cost, workers=1, skip_ahead=False)
+        simp = Plans()
+        sim.engines[0].add_observer(simp)
+        souts = {o.id: o for o in sim.run(items)}
+        assert real.steps == simp.steps
+        assert {k: (len(o.token_ids), o.preemptions, o.finish_reason) for k, o in outs.items()} == \
+               {k: (len(o.token_ids), o.preemptions, o.finish_reason) for k, o in souts.items()}
+        a, b = llm.engine.stats.summary(), sim.summary()
+        for k in ("steps", "preemptions", "peak_blocks_used", "prefill_tokens", "decode_tokens",
+                  "prefix_cache_hits", "mean_block_utilization", "output_tokens"):
+            assert a[k] == b[k], k
+        ta = [(r["blocks_used"], r["running"], r["waiting"]) for r in llm.engine.stats.timeline()]
+        tb = [(r["blocks_used"], r["running"], r["waiting"]) for r in sim.engines[0].stats.timeline()]
+        assert ta == tb
+        if cache == "paged" and blocks == 24:
+            assert a["preemptions"] > 0
+        if blocks == 200:
+            assert a["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_skip_ahead_equals_step_by_step(llama_dir, seed):
+    from tinyllm_cli.config import load_config, flat_overrides
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    rng = random.Random(seed)
+    mcfg = load_checkpoint(str(llama_dir), progress=False).config
+    kind = rng.choice(["paged", "paged", "slot"])
+    over = dict(cache=kind, block_size=rng.choice([1, 2, 4, 16]), num_blocks=rng.choice([30, 80, 400]) if kind == "paged" else None,
+                kv_memory="1MiB", max_num_seqs=rng.choice([3, 8, 24]), max_prefill_tokens=rng.choice([16, 64, 512]),
+                max_model_len=256, prefix_cache=rng.random() < 0.5, model=str(llama_dir))
+    cfg = load_config(None, flat_overrides(over))
+    items = items_mixed(80, seed, timed=seed % 2 == 1)
+    cost = tiny_cost(mcfg)
+    runs = []
+    for skip in (False, True):
+        sim = Simulation(cfg, cost, workers=1, skip_ahead=skip)
+        outs = sorted(((o.id, o.ttft_s, o.latency_s, o.preemptions) for o in sim.run(items)))
+        e = sim.engines[0]
+        runs.append((outs, e.stats.timeline(), sim.summary()["preemptions"], dict(e.cache.tables), e.skipped_steps))
+    (o1, t1, p1, tb1, _), (o2, t2, p2, tb2, skipped) = runs
+    assert skipped > 0  # the windows were taken, and changed nothing
+    assert p1 == p2 and tb1 == tb2
+    for x, y in zip(o1, o2):
+        assert x[0] == y[0] and x[3] == y[3] and x[1] == pytest.approx(y[1], abs=1e-9) and x[2] == pytest.approx(y[2], abs=1e-9)
+    assert len(t1) == len(t2)
+    for a, b in zip(t1, t2):
+        fa = {k: v for k, v in a.items() if k not in ("t", "forward_s")}
+        fb = {k: v for k, v in b.items() if k not in ("t", "forward_s")}
+        assert fa == fb
+        assert a["t"] == pytest.approx(b["t"], abs=1e-5)
+
+
+def test_workers_split_the_load(llama_dir):
+    from tinyllm_cli.config import load_config, flat_overrides
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    mcfg = load_checkpoint(str(llama_dir), progress=False).config
+    cfg = load_config(None, flat_overrides(dict(num_blocks=100, block_size=4, max_num_seqs=8, max_model_len=256)))
+    items = list(generate_trace(200, 40, 30, arrivals="poisson", rate=200.0, seed=3))
+    one = Simulation(cfg, tiny_cost(mcfg), workers=1)
+    n1 = len(list(one.run(items)))
+    two = Simulation(cfg, tiny_cost(mcfg), workers=2)
+    n2 = len(list(two.run(items)))
+    s1, s2 = one.summary(), two.summary()
+    assert n1 == n2 == 200 and s2["num_requests"] == 200 and s2["num_workers"] == 2
+    assert s2["elapsed_s"] < s1["elapsed_s"]
+    assert s2["output_tokens"] == s1["output_tokens"]
+
+
+BAD = [
+    ('[1, 2]', "must be a JSON object"),
+    ('{"output_len": 3}', "needs prompt_len or prompt_token_ids"),
+    ('{"prompt_len": 0, "output_len": 3}', "prompt_len must be a positive integer"),
+    ('{"prompt_len": 4}', "needs output_len"),
+    ('{"prompt_len": 4, "output_len": "x"}', "output_len must be a positive integer"),
+    ('{"prompt_len": 4, "output_len": 2, "arrival_s": -1}', "arrival_s must be"),
+    ('{"prompt_token_ids": [1, "a"], "output_len": 2}', "prompt_token_ids must be"),
+    ('{"prompt_len": 4, "output_len": 2, "prefix_group": 1, "prefix_len": 9}', "longer than the prompt"),
+    ('{"prompt_len": 4, "output_len"', "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("line,msg", BAD)
+def test_trace_rejects_bad_lines(tmp_path, line, msg):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"prompt_len": 3, "output_len": 2}\n' + line + "\n")
+    with pytest.raises(UsageError) as e:
+        list(read_trace(str(p)))
+    text = str(e.value)
+    assert msg in text and "line 2" in text and "\n" not in text
+
+
+def test_trace_accepts_real_outputs(tmp_path):
+    p = tmp_path / "t.jsonl"
+    lines = [{"id": "a", "prompt_token_ids": [5, 6, 7], "token_ids": [1, 2], "num_output_tokens": 2},
+             {"custom_id": "b", "response": {"status_code": 200, "body": {"usage": {"prompt_tokens": 9, "completion_tokens": 4}}}},
+             {"prompt_len": 3, "output_len": 2, "arrival_s": 1.5}]
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = list(read_trace(str(p)))
+    assert [(g.id, g.prompt_len, g.output_len, g.arrival_s) for g in got] == [("a", 3, 2, None), ("b", 9, 4, None), ("2", 3, 2, 1.5)]
+    p.write_text('{"prompt_len": 3, "output_len": 2, "arrival_s": 2}\n{"prompt_len": 3, "output_len": 2, "arrival_s": 1}\n')
+    with pytest.raises(UsageError, match="earlier than the line before"):
+        list(read_trace(str(p)))
+
+
+def test_fit_recovers_coefficients():
+    rng = random.Random(0)
+    true = [3e-3, 2e-4, 1e-7, 4e-5, 2e-8, 5e-4]
+    samples = []
+    for _ in range(300):
+        f = [1.0, rng.randint(0, 64), rng.randint(0, 20000), rng.randint(0, 512), rng.randint(0, 100000), rng.randint(0, 4)]
+        samples.append((f, sum(a * b for a, b in zip(true, f))))
+    c, info = fit(samples)
+    assert info["r2"] > 0.999
+    for a, b in zip(c, true):
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-12)
+
+
+def test_cli_simulate_stats_keys_and_bad_trace(tmp_path, capsys):
+    from tinyllm_cli.cli import main
+    from tinyllm_cli.engine.stats import RunStats
+    out = tmp_path / "s.json"
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--num-requests", "50", "--input-len", "64", "--output-len", "16", "--arrivals", "poisson",
+              "--request-rate", "5", "--ttft-slo", "1", "--stats-json", str(out), "-q"])
+    assert e.value.code == 0
+    s = json.loads(out.read_text())
+    assert set(RunStats("paged", 16, 1, 1, 1).summary()) <= set(s)
+    assert s["num_requests"] == 50 and s["simulated"] and "goodput_req_per_s" in s["slo"]
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"prompt_len": 3}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--trace", str(bad), "-q"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "line 1" in err and "output_len" in err
+
+
+def test_cli_simulate_sweep(tmp_path):
+    from tinyllm_cli.cli import main
+    out = tmp_path / "rows.json"
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--num-requests", "40", "--input-len", "64", "--output-len", "16", "--num-blocks", "64",
+              "--sweep", "max_num_seqs=2,8", "--stats-json", str(out), "-q"])
+    assert e.value.code == 0
+    rows = json.loads(out.read_text())
+    assert [r["sweep"] for r in rows] == ["max_num_seqs=2", "max_num_seqs=8"]
+    assert rows[1]["output_tokens_per_s"] > rows[0]["output_tokens_per_s"]

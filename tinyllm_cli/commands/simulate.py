@@ -1,0 +1,147 @@
+"""``tinyllm simulate``: a trace through the real scheduler and cache bookkeeping, with a measured
+step-cost model in place of the forward pass (``sim/``). Same config keys, same ``--stats-json``
+keys, same run table and plots as a real run; sweeps like ``bench``'s; an SLO view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from ..config import Config
+from ..errors import UsageError
+from ..report import stderr_console
+from ..sim.cost import CostModel, calibrate, default_profile_path
+from ..sim.run import Simulation
+from ..sim.trace import generate_trace, read_trace, write_trace
+from .common import finish_run, write_json
+
+SWEEPS = {"block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
+          "max_num_seqs": ("scheduler", "max_num_seqs"), "max_prefill_tokens": ("scheduler", "max_prefill_tokens"),
+          "workers": ("parallel", "workers")}
+
+
+def load_profile(path: Path | None) -> CostModel:
+    return CostModel.load(path or default_profile_path())
+
+
+def trace_items(trace: str | None, gen: dict):
+    """A fresh iterator over the trace (read lazily) or the generated workload."""
+    if trace:
+        return lambda: read_trace(trace)
+    return lambda: generate_trace(**gen)
+
+
+def slo_view(summary: dict, ttft_slo: float | None, tpot_slo: float | None, goodput: dict | None) -> list[tuple]:
+    rows = []  # the percentiles are in the run table already
+    if goodput is not None:
+        rows.append((f"goodput (TTFT <= {ttft_slo} s, TPOT <= {tpot_slo} s)",
+                     f"{goodput['goodput_req_per_s']:.2f} req/s ({goodput['slo_attainment']:.1%} of requests)"))
+    return rows
+
+
+def run_one(cfg: Config, cost: CostModel, items, ttft_slo, tpot_slo, skip_ahead=True) -> dict:
+    sim = Simulation(cfg, cost, skip_ahead=skip_ahead)
+    t0 = time.perf_counter()
+    good = total = 0
+    for out in sim.run(items()):
+        total += 1
+        ok = out.finish_reason != "error"
+        if ttft_slo is not None:
+            ok = ok and out.ttft_s is not None and out.ttft_s <= ttft_slo
+        if tpot_slo is not None:
+            ok = ok and (out.tpot_s is None or out.tpot_s <= tpot_slo)
+        good += ok
+    s = dict(sim.summary())
+    s["sim_wall_s"] = round(time.perf_counter() - t0, 3)
+    if ttft_slo is not None or tpot_slo is not None:
+        el = max(s["elapsed_s"], 1e-9)
+        s["slo"] = {"ttft_s": ttft_slo, "tpot_s": tpot_slo, "goodput_req_per_s": round(good / el, 3),
+                    "slo_attainment": round(good / max(total, 1), 4)}
+    return s
+
+
+def _sweep_configs(cfg: Config, sweep: str | None) -> list[tuple[str, Config]]:
+    if not sweep:
+        return [("", cfg)]
+    key, _, values = sweep.partition("=")
+    if key.replace("-", "_") not in SWEEPS or not values:
+        raise UsageError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEPS)}, not {sweep!r}")
+    section, field = SWEEPS[key.replace("-", "_")]
+    try:
+        vals = [int(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--sweep values must be integers, not {values!r}")
+    if not vals or any(v <= 0 for v in vals):
+        raise UsageError(f"--sweep values must be positive integers, not {values!r}")
+    out = []
+    for v in vals:
+        sec = dataclasses.replace(getattr(cfg, section), **{field: v})
+        out.append((f"{field}={v}", dataclasses.replace(cfg, **{section: sec})))
+    return out
+
+
+def run_simulate(cfg: Config, *, trace: str | None, profile: Path | None, gen: dict, sweep: str | None,
+                 ttft_slo: float | None, tpot_slo: float | None, save_trace: str | None, quiet: bool,
+                 stats_json: Path | None, plot: Path | None, skip_ahead: bool = True) -> int:
+    cost = load_profile(profile)
+    items = trace_items(trace, gen)
+    if save_trace:
+        n = write_trace(items(), save_trace)
+        if not quiet:
+            print(f"wrote {n} trace lines to {save_trace}", file=sys.stderr)
+    points = _sweep_configs(cfg, sweep)
+    rows = []
+    for label, c in points:
+        s = run_one(c, cost, items, ttft_slo, tpot_slo, skip_ahead)
+        rows.append(s | ({"sweep": label} if label else {}))
+        if not quiet and len(points) > 1:
+            print(f"simulated {label}: {s['num_requests']} requests, {s['elapsed_s']:.1f} s simulated "
+                  f"in {s['sim_wall_s']:.1f} s", file=sys.stderr)
+    title = (f"tinyllm simulate · {cost.model} · {cost.dtype} · profile of {cost.device} ({cost.cpu})")
+    if len(rows) == 1:
+        s = rows[0]
+        extra = [("simulated in", f"{s['sim_wall_s']:.2f} s wall ({s['skipped_steps']} of {s['steps']} steps skipped ahead)")]
+        extra += slo_view(s, ttft_slo, tpot_slo, s.get("slo"))
+        finish_run(s, title, stats_json, quiet, extra)
+        if plot is not None:
+            from ..plot import draw
+            draw("run", s, plot)
+        return 0
+    write_json(rows, stats_json)
+    if plot is not None:
+        from ..plot import draw
+        draw("bench", rows, plot)
+    if not quiet:
+        stderr_console().print(sweep_table(rows, title))
+    return 0
+
+
+def sweep_table(rows: list[dict], title: str):
+    from rich.table import Table
+    t = Table(title=title, header_style="bold")
+    for col in ("point", "out tok/s", "TTFT p50/p99 s", "TPOT p50/p99 s", "preempt", "peak blocks", "goodput req/s"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        g = r.get("slo", {}).get("goodput_req_per_s")
+        t.add_row(r["sweep"], f"{r['output_tokens_per_s']:.1f}",
+                  _pair(r["ttft_s"]), _pair(r["tpot_s"]), str(r["preemptions"]), str(r["peak_blocks_used"]),
+                  "-" if g is None else f"{g:.2f}")
+    return t
+
+
+def _pair(p: dict) -> str:
+    return "-" if p.get("p50") is None else f"{p['p50']:.3f} / {p['p99']:.3f}"
+
+
+def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0) -> int:
+    prof = calibrate(cfg, quiet=quiet, scale=scale)
+    prof.save(output)
+    if not quiet:
+        for kind, f in prof.fit.items():
+            print(f"{kind}: {f['steps']} steps, R^2 {f['r2']}, median step error {f['median_rel_err']:.1%}, "
+                  f"total time error {f['total_time_err']:+.1%}", file=sys.stderr)
+        print(f"wrote {output}", file=sys.stderr)
+    return 0

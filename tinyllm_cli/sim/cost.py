@@ -1,0 +1,233 @@
+"""The step-cost model: how long one engine step takes, from what it holds. Measured, not guessed.
+
+A step's wall time (the whole loop: schedule, pack, forward, sample, stop checks, and the
+caller's own work between steps) is modelled as a linear function of the step's contents:
+
+    t = c0                     fixed cost of a step (launches, Python, the LM head's setup)
+      + c_row     * decode rows
+      + c_ctx     * sum of the decode rows' context lengths   (attention reads)
+      + c_prefill * prefill tokens
+      + c_attn    * prefill attention pairs, sum of n * (start + (n + 1) / 2) per chunk
+      + c_chunk   * prefill chunks
+
+with one set of coefficients per cache kind (their attention paths differ). ``calibrate`` times
+real steps of the configured model on this machine (an observer on a real ``LLM`` run, no change
+to the engine) and fits the coefficients by non-negative least squares; the profile is a small
+JSON that names the model, dtype, device, CPU and thread count it was measured on, and carries
+the model's shape (so ``simulate`` needs no weights).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FEATURES = ("const", "decode_rows", "decode_ctx", "prefill_tokens", "prefill_attn", "prefill_chunks")
+PROFILE_VERSION = 1
+
+
+def step_features(plan) -> list[float]:
+    """The features of a scheduler ``Plan`` (read before the step stores its tokens)."""
+    rows = len(plan.decode)
+    ctx = sum(s.num_tokens for s in plan.decode)
+    p = a = 0
+    for _, start, n in plan.prefill:
+        p += n
+        a += n * (start + (n + 1) / 2)
+    return [1.0, rows, ctx, p, a, len(plan.prefill)]
+
+
+@dataclass
+class Coefs:
+    c: list[float]
+
+    def step_time(self, plan) -> float:
+        return sum(ci * xi for ci, xi in zip(self.c, step_features(plan)))
+
+    def decode_time(self, rows: int, ctx: int) -> float:
+        c = self.c
+        return c[0] + c[1] * rows + c[2] * ctx
+
+
+@dataclass
+class CostModel:
+    """A profile: coefficients per cache kind and where they were measured."""
+
+    coefs: dict[str, list[float]]
+    model: str = "?"
+    dtype: str = "?"
+    device: str = "cpu"
+    cpu: str = field(default_factory=lambda: cpu_name())
+    threads: int = 0
+    model_config: dict = field(default_factory=dict)
+    fit: dict = field(default_factory=dict)  # per kind: steps, R^2, median relative error
+    samples: dict = field(default_factory=dict)  # per kind: the timed steps, [features..., seconds]
+    made_with: str = ""
+    version: int = PROFILE_VERSION
+
+    def for_cache(self, kind: str) -> Coefs:
+        c = self.coefs.get(kind) or next(iter(self.coefs.values()))
+        return Coefs(list(c))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        from ..errors import UsageError
+        try:
+            d = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise UsageError(f"cannot read the cost profile {path}: {e.strerror}")
+        except ValueError as e:
+            raise UsageError(f"the cost profile {path} is not JSON: {e}")
+        if not isinstance(d, dict) or not isinstance(d.get("coefs"), dict) or not d["coefs"]:
+            raise UsageError(f"{path} is not a tinyllm cost profile (no 'coefs'); make one with "
+                             f"'tinyllm simulate calibrate --output FILE'")
+        for kind, c in d["coefs"].items():
+            if not (isinstance(c, list) and len(c) == len(FEATURES) and all(isinstance(x, (int, float)) for x in c)):
+                raise UsageError(f"{path}: coefs[{kind!r}] must be {len(FEATURES)} numbers ({', '.join(FEATURES)})")
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def model_cfg(self):
+        from ..model.llama import ModelConfig
+        return ModelConfig(**self.model_config)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def default_profile_path() -> Path:
+    return Path(__file__).with_name("profiles") / "default-cpu.json"
+
+
+# ---- fitting -------------------------------------------------------------------------------
+
+def nnls(X: list[list[float]], y: list[float], weights: list[float] | None = None) -> list[float]:
+    """Least squares with every coefficient >= 0 (active set: drop the most negative, refit)."""
+    import numpy as np
+    A, b = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
+    if weights is not None:
+        w = np.sqrt(np.asarray(weights, dtype=float))
+        A, b = A * w[:, None], b * w
+    scale = np.maximum(np.abs(A).max(axis=0), 1e-12)
+    A = A / scale
+    active = list(range(A.shape[1]))
+    while True:
+        sol = np.zeros(A.shape[1])
+        if active:
+            sol[active] = np.linalg.lstsq(A[:, active], b, rcond=None)[0]
+        neg = [i for i in active if sol[i] < 0]
+        if not neg:
+            return list(sol / scale)
+        active.remove(min(neg, key=lambda i: sol[i]))
+
+
+def fit(samples: list[tuple[list[float], float]]) -> tuple[list[float], dict]:
+    """Coefficients from (features, seconds) samples: plain (unweighted) non-negative least
+    squares, which keeps the sum of step times, so throughput and latencies, right."""
+    X = [f for f, _ in samples]
+    y = [t for _, t in samples]
+    c = [float(x) for x in nnls(X, y)]
+    # Robust to a busy machine: decode steps slowed by other processes (far off the fit) are
+    # dropped and the rest refitted, twice. Steps with prefill are few and far apart in size,
+    # so they are always kept.
+    for _ in range(2):
+        res = [t - sum(a * b for a, b in zip(c, f)) for f, t in zip(X, y)]
+        mad = sorted(abs(r) for r in res)[len(res) // 2] or 1e-9
+        keep = [i for i, r in enumerate(res) if X[i][3] > 0 or abs(r) <= 5 * mad] if len(res) > 20 else list(range(len(res)))
+        c = [float(x) for x in nnls([X[i] for i in keep], [y[i] for i in keep])]
+    dropped = len(y) - len(keep) if len(y) > 20 else 0
+    pred = [sum(a * b for a, b in zip(c, f)) for f in X]
+    rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
+    mean = sum(y) / len(y)
+    ss = sum((t - mean) ** 2 for t in y) or 1e-12
+    r2 = 1 - sum((p - t) ** 2 for p, t in zip(pred, y)) / ss
+    total = sum(pred) / max(sum(y), 1e-12) - 1
+    return c, {"steps": len(y), "outliers_dropped": dropped, "r2": round(float(r2), 4), "median_rel_err": round(float(rel[len(rel) // 2]), 4),
+               "total_time_err": round(float(total), 4)}
+
+
+class StepTimer:
+    """An engine observer: each step's features and the wall time since the previous step."""
+
+    def __init__(self):
+        self.samples: list[tuple[list[float], float]] = []
+        self._last: float | None = None
+
+    def __call__(self, engine, plan) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.samples.append((step_features(plan), now - self._last))
+        self._last = now
+
+    def finish(self, engine) -> None:
+        pass
+
+    def gap(self) -> None:
+        """A new run starts now: its first step (often its biggest prefill) is timed from here."""
+        self._last = time.perf_counter()
+
+
+# ---- calibration -----------------------------------------------------------------------------
+
+CALIBRATION = [  # (prompts, mean prompt length, output length, max_num_seqs): prefill- to decode-heavy
+    (24, 512, 16, 16), (48, 64, 96, 48), (32, 192, 48, 32), (8, 32, 128, 8), (64, 24, 48, 64),
+    (12, 1024, 8, 4),
+]
+
+
+def calibrate(cfg, kinds=("paged", "slot"), quiet: bool = False, scale: float = 1.0) -> CostModel:
+    """Time real steps of ``cfg``'s model on this machine over a spread of batch shapes (per
+    cache kind) and fit a ``CostModel``. ``scale`` shrinks the workloads (tests)."""
+    import dataclasses
+    import sys
+
+    import torch
+
+    from ..llm import LLM
+    from ..workload import random_prompts, requests_for
+    coefs, fits, samples = {}, {}, {}
+    with LLM(config=cfg, progress=not quiet) as llm:
+        rt = llm.runtime
+        mcfg = rt.model_cfg
+        limit = min(cfg.cache.max_model_len, mcfg.max_position_embeddings)
+        for kind in kinds:
+            timer = StepTimer()
+            c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False)
+            llm.reconfigure(config=dataclasses.replace(llm.config, cache=c))
+            for _ in llm.run(requests_for(random_prompts(mcfg, 4, 64, 0.5, seed=99), 8)):
+                pass  # warm-up, untimed: first-call costs must not land on a sample
+            for i, (num, inp, out, mns) in enumerate(CALIBRATION):
+                num = max(2, int(num * scale))
+                inp = max(4, min(int(inp * scale), limit // 2))
+                out = max(4, min(int(out * scale), limit - 2 * inp))
+                c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False)
+                s = dataclasses.replace(llm.config.scheduler, max_num_seqs=mns)
+                llm.reconfigure(config=dataclasses.replace(llm.config, cache=c, scheduler=s))
+                llm.engine.add_observer(timer)
+                timer.gap()
+                prompts = random_prompts(mcfg, num, inp, 0.5, seed=100 + i)
+                for _ in llm.run(requests_for(prompts, out)):
+                    pass
+                if not quiet:
+                    print(f"calibrate {kind}: workload {i + 1}/{len(CALIBRATION)} ({num} x {inp} in / {out} out), "
+                          f"{len(timer.samples)} steps timed", file=sys.stderr)
+            coefs[kind], fits[kind] = fit(timer.samples)
+            samples[kind] = [[round(x, 3) for x in f] + [round(t, 6)] for f, t in timer.samples]
+        facts = rt.facts()
+    return CostModel(coefs=coefs, model=facts["model"], dtype=facts["dtype"], device=facts["device"],
+                     threads=torch.get_num_threads(), model_config=asdict(mcfg), fit=fits, samples=samples,
+                     made_with="tinyllm simulate calibrate")

@@ -1,0 +1,201 @@
+"""``SimEngine``: the real engine loop with the forward pass replaced by a step-cost model.
+
+It *is* an ``LLMEngine``: the same ``add_request`` checks, the same ``Scheduler``, the same paged
+or slot cache (built with ``tensors=False``: tables, lengths, free list and prefix cache, no K/V),
+the same ``step`` (failures, forks, observers, stop checks, outputs, ``RunStats``). Only
+``_compute`` differs: instead of packing and running the model it asks the cost model how long
+the step takes, advances a virtual clock by that much, stores the step's tokens in the cache's
+bookkeeping and "samples" a synthetic token per row. Requests are greedy with ``ignore_eos``, so
+a request finishes exactly at its ``max_new_tokens`` (its trace ``output_len``), as it would in a
+real run.
+
+Skip-ahead (``skip_ahead=True``): when the next steps can only be decode steps of the same
+sequences (nothing prefilling, the head of the queue cannot be admitted, no arrival, no finish,
+and the free blocks cover every block the window will take), ``step`` advances k such steps at
+once: the same block allocations in the same order (so block ids agree), the same per-step
+records, the same virtual times; ``tests/test_simulate.py`` checks it against stepping one by one.
+
+Synthetic tokens: output token p of sequence s is a function of (s, p) only, so a preempted
+sequence recomputes the same tokens (and hits its own cached blocks), and no two sequences'
+generated blocks collide in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.engine import LLMEngine
+from ..engine.request import Request, Status
+from ..engine.stats import StepRecord
+from ..model.llama import ModelConfig
+from .cost import CostModel
+
+
+@dataclass
+class SimRequest(Request):
+    arrival_s: float | None = None  # virtual seconds from the start; None: an offline batch
+
+
+class _NoModel:
+    """What ``LLMEngine`` reads of a model: its config."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.device = torch.device("cpu")
+
+
+class SimEngine(LLMEngine):
+    def __init__(self, model_cfg: ModelConfig, cache, cost: CostModel, *, max_num_seqs: int = 64,
+                 max_prefill_tokens: int = 2048, max_model_len: int | None = None, skip_ahead: bool = True):
+        if getattr(cache, "has_tensors", False):
+            raise ValueError("the simulator's cache is bookkeeping only: build it with tensors=False")
+        self.now = 0.0
+        self.clock = self._now  # virtual time: every timestamp the engine and its stats take
+        super().__init__(_NoModel(model_cfg), cache, None, max_num_seqs=max_num_seqs,
+                         max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, eos_ids=(), seed=0)
+        self.cost = cost.for_cache(cache.kind)
+        self.skip_ahead = skip_ahead
+        self.next_arrival = math.inf  # set by the caller: no window may start a step at or after it
+        self.skipped_steps = 0  # steps taken in bulk by skip-ahead
+        self._span = max(1, model_cfg.vocab_size - 8)
+
+    def _now(self) -> float:
+        return self.now
+
+    def _arrival(self, req: Request) -> float:
+        a = getattr(req, "arrival_s", None)
+        return self.now if a is None else a
+
+    def _token(self, s) -> int:
+        """The synthetic token ``s`` generates at its position ``num_tokens``."""
+        return 4 + (s.seq_id * 7919 + s.num_tokens * 104729) % self._span
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def _compute(self, plan):
+        dt = self.cost.step_time(plan)
+        samplers = list(plan.decode)
+        for s, start, n in plan.prefill:
+            if start + n == s.num_tokens:
+                samplers += [s] + s.pending
+        self.cache.advance([s.seq_id for s in plan.decode], [(s.seq_id, st, n) for s, st, n in plan.prefill])
+        self.now += dt
+        self.stats.phases["forward"] += dt
+        return samplers, [self._token(s) for s in samplers], [None] * len(samplers), dt
+
+    def step(self):
+        if self.skip_ahead and not self.observers:
+            k = self._window()
+            if k > 0:
+                self._skip(k)
+                return []
+        return super().step()
+
+    # ---- skip-ahead --------------------------------------------------------------------------
+
+    def _window(self) -> int:
+        """How many of the coming steps are certainly plain decode steps of every running
+        sequence with no finish, admission, preemption or arrival among them (0: step normally)."""
+        sch, cache = self.scheduler, self.cache
+        run = sch.running
+        if not run or self.now >= self.next_arrival:
+            return 0
+        k = math.inf
+        for s in run:
+            if s.status is not Status.DECODE or s.pending or cache._shared_target(s.seq_id, s.num_tokens) is not None:
+                return 0
+            p = s.request.params
+            k = min(k, p.max_new_tokens - s.num_output, self.max_model_len - s.num_tokens)
+        k -= 1  # the step that finishes a sequence runs normally
+        if k <= 1 or (sch.waiting and self._head_may_enter()):
+            return 0
+        return self._fit_blocks(int(k))
+
+    def _head_may_enter(self) -> bool:
+        """Could the head of the queue be admitted in some step of a decode-only window? Free
+        blocks only shrink in it and cached prefixes only get evicted, so: could it now?"""
+        sch, cache, s = self.scheduler, self.cache, self.scheduler.waiting[0]
+        forks = len(s.pending)
+        if sch.num_seqs + 1 + forks > sch.max_num_seqs:
+            return False
+        scoring = s.group is not None and s.group.scoring_prompt
+        hits = cache._prefix_hits(s.tokens)[0] if not scoring else []
+        reclaimed = sum(cache.pool.ref[b] == 0 for b in hits)
+        return cache.blocks_for(s.num_tokens + 1) + forks - len(hits) <= cache.pool.num_free - reclaimed
+
+    def _allocations(self, k: int) -> list[tuple[int, int]]:
+        """(step within the window, running index) of every block the next k decode steps take,
+        in the order step-by-step scheduling takes them."""
+        cache, bs = self.cache, self.cache.block_size
+        if cache.kind == "slot":
+            return []
+        events = []
+        for i, s in enumerate(self.scheduler.running):
+            # step j stores position num_tokens - 1 + j; a new block when it is past the table
+            j = len(cache.tables[s.seq_id]) * bs - s.num_tokens + 1
+            while j < k:
+                events.append((j, i))
+                j += bs
+        events.sort()
+        return events
+
+    def _fit_blocks(self, k: int) -> int:
+        """Shrink k until the window's blocks fit the free pool (so nothing is preempted)."""
+        free = self.cache.pool.num_free
+        events = self._allocations(k)
+        if len(events) > free:
+            k = events[free][0]  # the step that would need one block too many
+        return k if k > 1 else 0
+
+    def _skip(self, k: int) -> None:
+        cache, sch, st = self.cache, self.scheduler, self.stats
+        run = list(sch.running)
+        B, bs = len(run), cache.block_size
+        u = cache.usage()
+        pool = cache.pool
+        fresh0 = pool.allocator.num_free
+        events = self._allocations(k)
+        ctx0 = sum(s.num_tokens for s in run)
+        # Step times first: the window ends early if a step would start at or after an arrival.
+        times, t = [], self.now
+        for j in range(k):
+            if j and t >= self.next_arrival:
+                break
+            t += self.cost.decode_time(B, ctx0 + B * j)
+            times.append(t)
+        k = len(times)
+        if k == 0:
+            return
+        e = 0
+        waiting = len(sch.waiting)
+        for j in range(k):
+            start_e = e
+            while e < len(events) and events[e][0] == j:
+                s = run[events[e][1]]
+                cache.tables[s.seq_id].extend(pool.allocate(1))
+                e += 1
+            dt = times[j] - (times[j - 1] if j else self.now)
+            used = u.blocks_used + e
+            evicted = max(0, e - fresh0)
+            st.record_step(StepRecord(
+                step=self._step, t=round(times[j] - st.start, 6), running=B, waiting=waiting,
+                blocks_used=used, blocks_free=u.blocks_free - e, tokens_stored=u.tokens_stored + B * (j + 1),
+                slots_allocated=used * bs, prefill_tokens=0, decode_tokens=B, preempted=0,
+                forward_s=round(dt, 6), shared_refs=u.shared_refs, cached_free=u.blocks_cached_free - evicted,
+                shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs))
+            st.forward_s += dt
+            self._step += 1
+            del start_e
+        st.phases["forward"] += times[-1] - self.now
+        self.now = times[-1]
+        for s in run:
+            n = s.num_tokens
+            for _ in range(k):
+                s.tokens.append(self._token(s))
+            cache.lens[s.seq_id] = n - 1 + k
+            s.num_cached = n - 1 + k
+            cache.commit(s.seq_id, s.tokens, n - 1 + k)
+        self.skipped_steps += k

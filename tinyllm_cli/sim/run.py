@@ -1,0 +1,155 @@
+"""Driving simulated engines over a trace: one engine, or N data-parallel ones behind the Ray
+cluster's pull-based dispatch, on one virtual clock.
+
+- One engine: requests are fed as ``Engine.run`` feeds a real engine (an offline batch: at most
+  ``4 * max_num_seqs`` waiting; timed requests: each enters at the first step boundary at or after
+  its ``arrival_s``); an idle engine jumps to the next arrival.
+- N engines: the driver holds every request until a worker has room (fewer than
+  ``max_num_seqs`` in flight) and gives it to the least loaded one, as ``cluster.ClusterEngine``
+  does; the worker with the earliest clock steps next, so all share one timeline.
+- Memory is flat: the trace is read lazily and only requests in flight are held; the stats are
+  ``RunStats``'s (whose step history another module bounds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ..config import Config
+from ..engine.request import RequestOutput
+from ..engine.stats import RunStats, RunSummary
+from ..runtime import Runtime, make_cache
+from .cost import CostModel
+from .engine import SimEngine, SimRequest
+from .trace import to_requests
+
+
+def sim_runtime(cost: CostModel) -> Runtime:
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(cost.dtype, torch.float32)
+    return Runtime(cost.model_cfg(), None, cost.model, torch.device("cpu"), dt, "sim", "none", False, 0.0)
+
+
+def make_sim_engine(cfg: Config, cost: CostModel, skip_ahead: bool = True) -> SimEngine:
+    rt = sim_runtime(cost)
+    cache = make_cache(cfg, rt, tensors=False)
+    return SimEngine(rt.model_cfg, cache, cost, max_num_seqs=cfg.scheduler.max_num_seqs,
+                     max_prefill_tokens=cfg.scheduler.max_prefill_tokens, max_model_len=cfg.cache.max_model_len,
+                     skip_ahead=skip_ahead)
+
+
+class Simulation:
+    def __init__(self, cfg: Config, cost: CostModel, workers: int | None = None, skip_ahead: bool = True):
+        self.cfg, self.cost = cfg, cost
+        n = workers or cfg.parallel.workers
+        self.engines = [make_sim_engine(cfg, cost, skip_ahead) for _ in range(n)]
+        self.per_worker = cfg.scheduler.max_num_seqs
+        self.stats = RunStats(self.engines[0].cache.kind, self.engines[0].cache.block_size,
+                              self.engines[0].cache.num_blocks, self.engines[0].cache.kv_bytes, self.per_worker,
+                              start=0.0, clock=self._end)
+
+    def _end(self) -> float:
+        return max(e.now for e in self.engines)
+
+    def run(self, items: Iterable) -> Iterator[RequestOutput]:
+        vocab = self.engines[0].model.cfg.vocab_size
+        reqs = to_requests(items, vocab)
+        if len(self.engines) == 1:
+            yield from self._run_one(self.engines[0], reqs)
+        else:
+            yield from self._run_many(reqs)
+        self.stats.end = self._end()
+
+    def _run_one(self, eng: SimEngine, reqs: Iterator[SimRequest]) -> Iterator[RequestOutput]:
+        pending = 4 * eng.scheduler.max_num_seqs
+        nxt = next(reqs, None)
+        while True:
+            # Everything due by now (timed) and as much of an offline batch as run() would feed.
+            while nxt is not None and (nxt.arrival_s is None and eng.num_waiting() < pending
+                                       or nxt.arrival_s is not None and nxt.arrival_s <= eng.now):
+                out = eng.add_request(nxt)
+                if out is not None:
+                    yield self._record(out)
+                nxt = next(reqs, None)
+            timed = nxt is not None and nxt.arrival_s is not None
+            eng.next_arrival = nxt.arrival_s if timed else math.inf
+            if not eng.has_unfinished():
+                if nxt is None:
+                    return
+                if timed:
+                    eng.now = max(eng.now, nxt.arrival_s)
+                continue
+            for out in eng.step():
+                yield self._record(out)
+
+    def _record(self, out: RequestOutput) -> RequestOutput:
+        self.stats.record_request(out)
+        return out
+
+    def _run_many(self, reqs: Iterator[SimRequest]) -> Iterator[RequestOutput]:
+        engines = self.engines
+        inflight = [0] * len(engines)
+        owner: dict[int, int] = {}
+        queue: deque[SimRequest] = deque()
+        nxt = next(reqs, None)
+        while True:
+            busy = [i for i, e in enumerate(engines) if e.has_unfinished()]
+            t_busy = min((engines[i].now for i in busy), default=math.inf)
+            t_arr = math.inf if nxt is None else (nxt.arrival_s or 0.0)
+            if nxt is None and not busy and not queue:
+                return
+            if nxt is not None and t_arr <= t_busy:  # the next arrival comes first: queue it
+                queue.append(nxt)
+                nxt = next(reqs, None)
+                now = t_arr
+            else:
+                if not busy:  # queued work waits for room no one will free: cannot happen
+                    raise RuntimeError("simulated workers idle with requests queued")
+                i = min(busy, key=lambda j: engines[j].now)
+                eng = engines[i]
+                eng.next_arrival = math.inf if nxt is None else (nxt.arrival_s or 0.0)
+                for out in eng.step():
+                    inflight[owner.pop(out.index, i)] -= 1
+                    yield self._record(out)
+                now = eng.now
+            while queue:  # pull-based: the least loaded worker with room takes the head
+                room = [j for j in range(len(engines)) if inflight[j] < self.per_worker]
+                if not room:
+                    break
+                j = min(room, key=lambda k: inflight[k])
+                req = queue.popleft()
+                e = engines[j]
+                if not e.has_unfinished():
+                    e.now = max(e.now, now)
+                out = e.add_request(req)
+                if out is not None:
+                    yield self._record(out)
+                    continue
+                inflight[j] += 1
+                owner[req.index] = j
+
+    def summary(self) -> RunSummary:
+        """The run's figures with the keys of a real run's ``--stats-json``."""
+        from ..cluster import merge_worker_summaries
+        if len(self.engines) == 1:
+            e = self.engines[0]
+            e.stats.end = self.stats.end
+            out = e.stats.summary()
+        else:
+            el = max(self.stats.elapsed(), 1e-9)
+            sums = []
+            for e in self.engines:
+                e.stats.end = self.stats.end
+                sums.append(e.stats.summary())
+            out = self.stats.summary() | merge_worker_summaries(sums, el)
+            out["workers"] = [{"worker": i, "steps": s["steps"], "preemptions": s["preemptions"],
+                               "peak_blocks_used": s["peak_blocks_used"], "output_tokens": s["output_tokens"]}
+                              for i, s in enumerate(sums)]
+        c = self.cost
+        out |= {"model": c.model, "load_s": 0.0, "dtype": c.dtype, "gemm": "sim", "quant": "none",
+                "native_kernels": False, "device": c.device, "num_workers": len(self.engines),
+                "simulated": True, "profile_cpu": c.cpu, "skipped_steps": sum(e.skipped_steps for e in self.engines)}
+        return RunSummary(out)
