@@ -16,7 +16,6 @@ runs (thread CPU time), and the CPU.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import time
 
@@ -24,6 +23,7 @@ import torch
 
 from tinyllm_cli.cache.kv import PagedKVCache
 from tinyllm_cli.model.llama import ModelConfig
+from tinyllm_cli.machine import cpu_name
 
 CFG = ModelConfig(vocab_size=32000, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=8)
 
@@ -51,17 +51,6 @@ def admit_all(reqs: list[list[int]], block_size: int, cache_cls=PagedKVCache) ->
         assert cached is not None
         cache.commit(i, p, len(p))  # as the scheduler does once the prompt's chunk is planned
     return time.thread_time() - t0
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:

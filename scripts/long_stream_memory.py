@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from tinyllm_cli.machine import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -165,16 +166,6 @@ def main() -> int:
         target = 50 * MiB
         print(f"target: growth under 50 MiB after warm-up: {'met' if growth < target else 'NOT met'}")
     return 0
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 
 from tinyllm_cli import LLM, SamplingParams
 from tinyllm_cli.engine import constraints
+from tinyllm_cli.machine import cpu_name
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -35,14 +34,6 @@ SCHEMAS = [
         "id": {"type": "integer", "minimum": 1, "maximum": 999}, "admin": {"type": "boolean"}},
         "required": ["id", "admin"]}}, "required": ["user"]},
 ]
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(x.split(":", 1)[1].strip() for x in out.splitlines() if x.startswith("Model name"))
-    except Exception:
-        return platform.processor() or "unknown"
 
 
 def run(llm: LLM, prompts, params, overlap: bool = True) -> tuple[dict, list]:

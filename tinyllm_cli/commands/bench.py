@@ -31,7 +31,7 @@ from ..llm import LLM
 from ..report import bench_table, stderr_console
 from ..runtime import kv_budget
 from ..workload import check_workload, prompts_from_file, requests_for, shared_prefix_prompts
-from .common import open_llm
+from .common import int_list, open_llm
 
 
 @dataclass
@@ -63,7 +63,7 @@ class BenchSpec:
               prefix_cache: str = "on", baseline: str | None = None, roofline: bool = False,
               profile: bool = False, repeat: int = 1, n_values: str | None = None,
               workers: str | None = None) -> "BenchSpec":
-        sizes = _int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
+        sizes = int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
         kinds = [c.strip() for c in caches.split(",") if c.strip()]
         bad = [k for k in kinds if k not in ("paged", "slot")]
         if bad or not kinds:
@@ -81,8 +81,8 @@ class BenchSpec:
             raise UsageError(f"--repeat must be at least 1, not {repeat}")
         if baseline not in (None, "hf"):
             raise UsageError(f"--baseline takes hf (transformers generate), not {baseline!r}")
-        ns = tuple(_int_list(n_values, "--n")) if n_values else (1,)
-        counts = _int_list(workers, "--workers") if workers else [1]
+        ns = tuple(int_list(n_values, "--n")) if n_values else (1,)
+        counts = int_list(workers, "--workers") if workers else [1]
         if (baseline or roofline or profile) and (1 not in counts or cfg.parallel.ray_address is not None):
             raise UsageError("--baseline, --roofline and --profile measure the in-process engine: "
                              "include 1 in --workers (without --ray-address)")
@@ -101,16 +101,6 @@ class BenchSpec:
                 else:
                     out += [("paged", b, pc, n) for b in self.block_sizes for pc in self.prefix_modes]
         return out
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"{flag} takes a comma list of integers, not {text!r}")
-    if not vals or any(v <= 0 for v in vals):
-        raise UsageError(f"{flag} values must be positive integers, not {text!r}")
-    return vals
 
 
 def workload_for(spec: BenchSpec, llm: LLM) -> list[list[int]]:

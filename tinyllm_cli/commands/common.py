@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..config import Config
-from ..errors import TinyLLMError
+from ..errors import TinyLLMError, UsageError
 from ..llm import LLM
 from ..report import print_worker_table, run_table, stderr_console
 
@@ -42,3 +42,14 @@ def finish_run(summary: dict, title: str, stats_json: Path | None, quiet: bool, 
         table.add_row(name, value)
     stderr_console().print(table)
     print_worker_table(summary)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """A flag's comma list of positive integers (``--block-size 8,16,32``), or one sentence."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} takes a comma list of integers, not {text!r}")
+    if not vals or any(v <= 0 for v in vals):
+        raise UsageError(f"{flag} values must be positive integers, not {text!r}")
+    return vals

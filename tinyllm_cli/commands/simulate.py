@@ -16,7 +16,7 @@ from ..report import stderr_console
 from ..sim.cost import CostModel, calibrate, default_profile_path
 from ..sim.run import Simulation
 from ..sim.trace import generate_trace, read_trace, write_trace
-from .common import finish_run, write_json
+from .common import finish_run, int_list, write_json
 
 SWEEPS = {"block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
           "max_num_seqs": ("scheduler", "max_num_seqs"), "max_prefill_tokens": ("scheduler", "max_prefill_tokens"),
@@ -70,12 +70,7 @@ def _sweep_configs(cfg: Config, sweep: str | None) -> list[tuple[str, Config]]:
     if key.replace("-", "_") not in SWEEPS or not values:
         raise UsageError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEPS)}, not {sweep!r}")
     section, field = SWEEPS[key.replace("-", "_")]
-    try:
-        vals = [int(v) for v in values.split(",") if v.strip()]
-    except ValueError:
-        raise UsageError(f"--sweep values must be integers, not {values!r}")
-    if not vals or any(v <= 0 for v in vals):
-        raise UsageError(f"--sweep values must be positive integers, not {values!r}")
+    vals = int_list(values, "--sweep")
     out = []
     for v in vals:
         sec = dataclasses.replace(getattr(cfg, section), **{field: v})

@@ -20,10 +20,10 @@ the model's shape (so ``simulate`` needs no weights).
 from __future__ import annotations
 
 import json
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from ..machine import cpu_name
 
 FEATURES = ("const", "decode_rows", "decode_ctx", "prefill_tokens", "prefill_attn", "prefill_chunks")
 PROFILE_VERSION = 1
@@ -96,17 +96,6 @@ class CostModel:
     def model_cfg(self):
         from ..model.llama import ModelConfig
         return ModelConfig(**self.model_config)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def default_profile_path() -> Path:
