@@ -199,7 +199,8 @@ def shell_commands(path: Path | str) -> list[Command]:
 
 ROOT_CMD = typer.main.get_command(cli_module.app)
 FUNCTIONS = {"generate": cli_module.generate, "serve-batch": cli_module.serve_batch, "bench": cli_module.bench,
-             "inspect-blocks": cli_module.inspect_blocks, "plot": cli_module.plot_command}
+             "inspect-blocks": cli_module.inspect_blocks, "plot": cli_module.plot_command,
+             "simulate": cli_module.simulate}
 
 
 def own_params(name: str) -> set[str]:
@@ -315,7 +316,7 @@ def test_documented_scripts_make_targets_and_modules_exist():
     (["generate", "--prompts", "p.txt", "--cache", "paged,slot"], "cache.kind"),  # valid flag, bad setting
     (["generate", "--prompts", "p.txt", "--config", "configs/no-such.yaml"], "no-such.yaml"),
     (["plot", "bench.json"], "--output"),
-    (["simulate", "--steps", "3"], "no command"),
+    (["simulator", "--steps", "3"], "no command"),
     (["--no-such-root-flag"], "--no-such-root-flag"),
 ])
 def test_the_parser_check_rejects_what_the_cli_rejects(monkeypatch, args, needle):

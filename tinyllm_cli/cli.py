@@ -142,8 +142,8 @@ def _constraint_files(settings: dict) -> dict:
             raise UsageError(f"{what} file {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno})")
         if not isinstance(out[key], dict):
             raise UsageError(f"{what} file {str(path)!r} must hold a JSON object (a schema)")
-    if settings.get("choice") == []:
-        out["choice"] = None
+    if settings.get("choice") is not None:  # a repeatable flag: () or [] when not given
+        out["choice"] = list(settings["choice"]) or None
     return out
 
 
