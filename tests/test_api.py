@@ -17,16 +17,9 @@ from pathlib import Path
 import pytest
 
 from tinyllm_cli import LLM, RunSummary, SamplingParams, UsageError
-from tinyllm_cli.cli import main
+from test_cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cli(capsys, *args) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
 
 
 def rows(text: str) -> list[dict]:

@@ -11,9 +11,7 @@ import ast
 import json
 from pathlib import Path
 
-import pytest
-
-from tinyllm_cli.cli import main
+from test_cli import cli, jsonl
 
 TESTS = Path(__file__).resolve().parent
 
@@ -81,22 +79,11 @@ def test_every_fault_names_a_test_that_exists():
     assert missing == []
 
 
-def cli(capsys, *args):
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
-
-
 def one_sentence(err: str, *needles: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err and all(n in lines[0] for n in needles), err
     return lines[0]
-
-
-def jsonl(text: str) -> list[dict]:
-    return [json.loads(x) for x in text.splitlines()]
 
 
 def test_a_failed_start_leaves_the_output_as_it_was(capsys, tmp_path):

@@ -333,7 +333,7 @@ class ClusterEngine(Engine):
     def __init__(self, pool: WorkerPool, cfg: Config):
         self.pool, self.ray, self.cfg = pool, pool.conn.ray, cfg
         self.per_worker = cfg.scheduler.max_num_seqs
-        self.seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0  # as ``make_engine``'s
+        self.seed = cfg.sampling.run_seed  # as ``make_engine``'s
         self.pending: deque[tuple[int, Request]] = deque()  # (key, request) not yet sent
         self.requests: dict[int, Request] = {}  # key -> the caller's request, until its output arrives
         self.suspects: set[int] = set()  # keys aboard a worker that failed: they run alone

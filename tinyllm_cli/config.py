@@ -63,6 +63,11 @@ class SamplingConfig(SamplingParams):
         values = dataclasses.asdict(self) | override
         return SamplingParams(**values)
 
+    @property
+    def run_seed(self) -> int:
+        """The run's seed: ``seed``, or 0 when unset (so an unseeded run is reproducible too)."""
+        return self.seed if self.seed is not None else 0
+
     def request_defaults(self) -> SamplingParams:
         """What a request starts from. ``seed`` here is the run's seed, not a request's: each
         request derives its own from it and its id (``engine.request.request_seed``), so two

@@ -125,10 +125,11 @@ class LLM:
         if isinstance(params, list) and len(params) != len(prompts):
             raise UsageError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
         defaults = self.config.sampling.request_defaults()
+        builders: dict[int, RequestBuilder] = {}  # by id of the defaults: one per distinct SamplingParams
         out = []
         for i, p in enumerate(prompts):
             base = params[i] if isinstance(params, list) else (params or defaults)
-            builder = RequestBuilder(self.tokenizer, chat, base)
+            builder = builders.get(id(base)) or builders.setdefault(id(base), RequestBuilder(self.tokenizer, chat, base))
             rec = {"prompt_token_ids": list(p)} if _is_ids(p) else p
             rid = rec.get("id", i) if isinstance(rec, dict) else i
             out.append(builder.build(i, i + 1, rec, rid))

@@ -189,8 +189,7 @@ def make_engine(cfg: Config, rt: Runtime) -> LLMEngine:
     """A fresh in-process engine (new KV pool, empty scheduler) on ``rt``'s model; its run seed
     is ``sampling.seed`` (0 when unset)."""
     cache = make_cache(cfg, rt)
-    seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0
     return LLMEngine(rt.model, cache, rt.tokenizer, max_num_seqs=cfg.scheduler.max_num_seqs,
                      max_prefill_tokens=cfg.scheduler.max_prefill_tokens,
                      max_model_len=cfg.cache.max_model_len,
-                     eos_ids=rt.tokenizer.eos_ids if rt.tokenizer else None, seed=seed)
+                     eos_ids=rt.tokenizer.eos_ids if rt.tokenizer else None, seed=cfg.sampling.run_seed)

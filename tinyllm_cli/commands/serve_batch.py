@@ -165,10 +165,10 @@ def run_serve(cfg: Config, *, input: str, output: str, request_rate: float | Non
         out = open_output(plan)  # only now: a failed start leaves an existing file as it was
         writer = LineWriter(out)
         reader = None
-        seed = cfg.sampling.seed if cfg.sampling.seed is not None else 0
         try:
             builder = RequestBuilder(llm.tokenizer, False, cfg.sampling.request_defaults())
-            serve = Server(llm, builder, writer, llm.runtime.model_name, request_rate, max_inflight, seed)
+            serve = Server(llm, builder, writer, llm.runtime.model_name, request_rate, max_inflight,
+                           cfg.sampling.run_seed)
             reader = LineReader(src).start()
             serve.loop(reader.q)
         except Interrupted as e:
