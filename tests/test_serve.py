@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from tinyllm_cli.cli import main
-from tinyllm_cli.commands.serve_batch import poisson_gaps
+from tinyllm_cli.workload import poisson_gaps
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 FAST = ["--device", "cpu", "--num-blocks", "128", "--max-new-tokens", "8"]
@@ -267,3 +267,51 @@ def test_default_model_completions_and_chat(capsys, tmp_path):
     assert isinstance(plain["text"], str) and "Paris" in plain["text"] and "token_ids" not in plain
     # a plain completion is not wrapped in the chat template
     assert r["plain"]["response"]["body"]["usage"]["prompt_tokens"] < 10 < u["prompt_tokens"]
+
+
+class _RecordingEngine:
+    """What ``Server.release`` / ``finish`` use of an engine; records each request's arrival."""
+
+    def __init__(self):
+        self.added = []
+
+    def add_request(self, req):
+        self.added.append((req.id, req.arrival))
+
+
+def _server(limit):
+    from types import SimpleNamespace
+    from tinyllm_cli.commands.serve_batch import Server
+    from tinyllm_cli.engine.request import Request, SamplingParams
+    from tinyllm_cli.openai_batch import Job
+    eng = _RecordingEngine()
+    srv = Server(SimpleNamespace(engine=eng), None, None, "m", None, limit, 0)
+    job = lambda cid, due: Job(1, cid, "/v1/completions", Request(cid, [1, 2], SamplingParams()), due, due)
+    return srv, eng, job
+
+
+def test_arrival_is_when_due_not_when_released():
+    """A request due mid-step enters the engine after the step, but its TTFT counts from when it
+    was due (as the simulator counts it)."""
+    import time
+    srv, eng, job = _server(None)
+    t = time.perf_counter()
+    srv.backlog.extend([job("a", t - 0.5), job("b", t - 0.2)])
+    srv.release()
+    assert eng.added == [("a", t - 0.5), ("b", t - 0.2)]
+
+
+def test_arrival_held_back_by_max_inflight_counts_from_room():
+    """Time held back by --max-inflight is not counted: arrival = when room opened."""
+    import time
+    from types import SimpleNamespace
+    srv, eng, job = _server(1)
+    t = time.perf_counter()
+    srv.backlog.extend([job("a", t - 1.0), job("b", t - 0.9)])
+    srv.release()  # room for one
+    assert eng.added == [("a", t - 1.0)]
+    srv.writer = type("W", (), {"write": lambda self, line, error=False: None})()
+    srv.finish(SimpleNamespace(id="a", finish_reason="error", error="cut short"))  # room opens now
+    srv.release()
+    (cid, arrival), = eng.added[1:]
+    assert cid == "b" and arrival >= t  # from the moment "a" finished, not from b's due time

@@ -314,7 +314,7 @@ app.add_typer(sim_app, name="simulate")
 
 
 @sim_app.callback(invoke_without_command=True)
-@shared("config", "model", "CACHE", "SCHEDULER", "workers", "RUN", "plot")
+@shared("config", "model", "CACHE", "SCHEDULER", "workers", "seed", "RUN", "plot")
 def simulate(
     ctx: typer.Context,
     trace: Annotated[Optional[str], typer.Option("--trace", "-t", help="Requests JSONL (arrival_s, prompt_len, output_len, ...), or a generate / serve-batch output file.")] = None,
@@ -324,7 +324,7 @@ def simulate(
     output_len: Annotated[int, typer.Option(help="Synthetic: mean output length.")] = 128,
     range_ratio: Annotated[float, typer.Option(help="Synthetic: lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
     arrivals: Annotated[str, typer.Option(help="Synthetic: offline, poisson or gamma.")] = "offline",
-    request_rate: Annotated[float, typer.Option(help="Synthetic: arrivals per second (poisson, gamma).")] = 1.0,
+    request_rate: Annotated[Optional[float], typer.Option(help="Arrivals per second: synthetic poisson/gamma (default 1); with --trace, the trace is fed as serve-batch --request-rate feeds it (Poisson, seeded by --seed), its own arrival_s replaced.")] = None,
     burstiness: Annotated[float, typer.Option(help="Synthetic gamma arrivals: shape (< 1 burstier than Poisson).")] = 1.0,
     prefix_len: Annotated[int, typer.Option(help="Synthetic: shared-prefix tokens per prompt.")] = 0,
     num_prefixes: Annotated[int, typer.Option(help="Synthetic: distinct shared prefixes.")] = 1,
@@ -346,10 +346,12 @@ def simulate(
     if trace is None:
         check_workload(num_requests, input_len, output_len, range_ratio)
     cfg = opts.config()
-    gen = dict(num=num_requests, input_len=input_len, output_len=output_len, arrivals=arrivals, rate=request_rate,
+    gen = dict(num=num_requests, input_len=input_len, output_len=output_len, arrivals=arrivals,
+               rate=1.0 if request_rate is None else request_rate,
                burstiness=burstiness, range_ratio=range_ratio, prefix_len=prefix_len, num_prefixes=num_prefixes,
                seed=workload_seed)
-    raise typer.Exit(run_simulate(cfg, trace=trace, profile=profile, gen=gen, sweep=sweep, ttft_slo=ttft_slo,
+    replay_rate = request_rate if trace is not None else None
+    raise typer.Exit(run_simulate(cfg, trace=trace, replay_rate=replay_rate, profile=profile, gen=gen, sweep=sweep, ttft_slo=ttft_slo,
                                   tpot_slo=tpot_slo, save_trace=save_trace, quiet=opts.quiet,
                                   stats_json=opts.stats_json, plot=opts.plot, skip_ahead=skip_ahead))
 

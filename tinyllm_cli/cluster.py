@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from .config import Config
 from .engine.contract import Engine
+from .engine.dispatch import least_loaded
 from .engine.request import Request, RequestOutput, request_seed
 from .engine.stats import RunStats
 from .errors import TinyLLMError, UsageError
@@ -346,7 +347,9 @@ class ClusterEngine(Engine):
 
     def add_request(self, req: Request) -> RequestOutput | None:
         seed = request_seed(self.seed, req)  # fixed here, so the worker's engine uses it as given
-        req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seed))
+        # arrival is a time on this process's clock, which a worker (maybe on another node) does
+        # not share: a worker's TTFT counts from when it takes the request.
+        req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seed), arrival=None)
         self._key += 1
         self.requests[self._key] = req
         self.pending.append((self._key, req))
@@ -419,8 +422,8 @@ class ClusterEngine(Engine):
             empty = [s for s in idle if not s.inflight]
             fresh = [s for s in empty if s.index not in self.tried.get(key, ())]
             return (fresh or empty or [None])[0]
-        room = [s for s in idle if len(s.inflight) < self.per_worker and not self.suspects & s.inflight.keys()]
-        return min(room, key=lambda s: len(s.inflight)) if room else None
+        clean = [s for s in idle if not self.suspects & s.inflight.keys()]
+        return least_loaded(clean, lambda s: len(s.inflight), self.per_worker)
 
     def _collect(self, s: WorkerSlot, ref) -> list[RequestOutput]:
         s.call = None

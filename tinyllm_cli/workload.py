@@ -1,8 +1,11 @@
 """Prompt workloads for ``bench`` and ``inspect-blocks``: seeded random-token prompts (optionally
 behind shared prefixes), or the prompts of a file, as token ids; and the greedy requests that
-run them. The same seed gives the same workload, so runs differ only in what is measured."""
+run them; and serve-batch's Poisson arrival gaps. The same seed gives the same workload, so runs
+differ only in what is measured."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -67,3 +70,11 @@ def requests_for(workload: list[list[int]], output_len: int, n: int = 1,
     con = {k: getattr(sampling, k) for k in sampling.constraint_fields} if sampling is not None else {}
     return [Request(str(i), ids, SamplingParams(max_new_tokens=output_len, ignore_eos=True, n=n, **con), index=i)
             for i, ids in enumerate(workload)]
+
+
+def poisson_gaps(rate: float, seed: int):
+    """Exponential inter-arrival gaps (seconds) of a Poisson process with ``rate`` per second:
+    serve-batch's ``--request-rate`` arrivals, and ``simulate``'s replay of them."""
+    rng = random.Random(seed)
+    while True:
+        yield rng.expovariate(rate)

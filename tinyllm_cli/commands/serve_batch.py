@@ -9,9 +9,12 @@ Design:
 - Parsed requests wait in a local backlog until they are due (``--request-rate``: Poisson
   arrivals, exponential gaps from a seeded RNG, never earlier than the line was read) and there is
   room in the engine (``--max-inflight``: waiting + running; no limit by default, so every
-  request read joins the engine at once). Arrivals take effect between engine steps. Latency
-  figures (TTFT, latency) are measured from the moment a request enters the engine, so time
-  spent held back by ``--max-inflight`` is not counted (as with a client-side concurrency cap).
+  request read joins the engine at once). Arrivals take effect between engine steps, but latency
+  figures (TTFT, latency) count from the request's arrival: when it was due (read, or its
+  Poisson arrival), or when room opened if ``--max-inflight`` held it back longer. So the wait for
+  the step in flight is counted and time held back by ``--max-inflight`` is not (as with a
+  client-side concurrency cap). ``tinyllm simulate --trace F --request-rate R --seed S`` feeds
+  a trace with the same arrival times (``workload.poisson_gaps``).
 - Every result is one line written with a single ``write`` and flushed, in completion order, so
   an interrupted run leaves valid JSONL with every finished result in it. The output is opened
   only once the model is loaded.
@@ -28,7 +31,6 @@ Design:
 from __future__ import annotations
 
 import os
-import random
 import sys
 import threading
 import time
@@ -43,6 +45,7 @@ from ..errors import Interrupted, TinyLLMError, UsageError
 from ..io import (RequestBuilder, ResultFile, TooLong, bounded_lines, existing_file, open_output, plan_output,
                   too_long_message)
 from ..openai_batch import BadLine, Job, decode_line, error_line, parse_request, response_line
+from ..workload import poisson_gaps
 from .common import finish_run, open_llm
 
 QUEUE_LINES = 1024  # raw lines the reader may run ahead of the engine loop
@@ -142,13 +145,6 @@ class LineReader:
             self.src.close()
 
 
-def poisson_gaps(rate: float, seed: int):
-    """Exponential inter-arrival gaps (seconds) of a Poisson process with ``rate`` per second."""
-    rng = random.Random(seed)
-    while True:
-        yield rng.expovariate(rate)
-
-
 # ---- the loop --------------------------------------------------------------------------------
 
 def run_serve(cfg: Config, *, input: str, output: str, request_rate: float | None, max_inflight: int | None,
@@ -208,6 +204,7 @@ class Server:
         self.limit = max_inflight if max_inflight is not None else float("inf")
         self.gaps = poisson_gaps(request_rate, seed) if request_rate is not None else None
         self.last_due: float | None = None
+        self.room_at = -float("inf")  # when the engine last went from full to having room
         self.backlog: deque[Job] = deque()
         self.jobs: dict[str, Job] = {}  # in the engine, by request id (= custom_id)
         self.seen: set[str] = set()
@@ -276,6 +273,8 @@ class Server:
         if self.gaps is not None:
             due = job.read_at if self.last_due is None else max(job.read_at, self.last_due + next(self.gaps))
             job.due = self.last_due = due
+        else:
+            job.due = job.read_at
         self.backlog.append(job)
 
     def release(self) -> None:
@@ -283,6 +282,7 @@ class Server:
         now = time.perf_counter()
         while self.backlog and len(self.jobs) < self.limit and self.backlog[0].due <= now:
             job = self.backlog.popleft()
+            job.request.arrival = max(job.due, self.room_at)
             out = self.engine.add_request(job.request)
             if out is not None:  # the engine will never run it (too long, bad ids, ...)
                 self.writer.write(error_line(job.n, job.custom_id, "invalid_request",
@@ -292,6 +292,8 @@ class Server:
             self.peak_inflight = max(self.peak_inflight, len(self.jobs))
 
     def finish(self, out: RequestOutput) -> None:
+        if len(self.jobs) == self.limit:
+            self.room_at = time.perf_counter()
         job = self.jobs.pop(out.id)
         if out.finish_reason == "error":  # refused, or cut short: never a body that looks complete
             self.writer.write(error_line(job.n, job.custom_id, "server_error", f"line {job.n}: {out.error}"),

@@ -15,7 +15,7 @@ from ..errors import UsageError
 from ..report import stderr_console
 from ..sim.cost import CostModel, calibrate, default_profile_path
 from ..sim.run import Simulation
-from ..sim.trace import generate_trace, read_trace, write_trace
+from ..sim.trace import generate_trace, read_trace, serve_arrivals, write_trace
 from .common import finish_run, int_list, write_json
 
 SWEEPS = {"block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
@@ -27,8 +27,11 @@ def load_profile(path: Path | None) -> CostModel:
     return CostModel.load(path or default_profile_path())
 
 
-def trace_items(trace: str | None, gen: dict):
-    """A fresh iterator over the trace (read lazily) or the generated workload."""
+def trace_items(trace: str | None, gen: dict, replay_rate: float | None = None, seed: int = 0):
+    """A fresh iterator over the trace (read lazily; with ``replay_rate``, on serve-batch's
+    arrival times for that rate and seed) or the generated workload."""
+    if trace and replay_rate is not None:
+        return lambda: serve_arrivals(read_trace(trace), replay_rate, seed)
     if trace:
         return lambda: read_trace(trace)
     return lambda: generate_trace(**gen)
@@ -79,10 +82,11 @@ def _sweep_configs(cfg: Config, sweep: str | None) -> list[tuple[str, Config]]:
 
 
 def run_simulate(cfg: Config, *, trace: str | None, profile: Path | None, gen: dict, sweep: str | None,
+                 replay_rate: float | None = None,
                  ttft_slo: float | None, tpot_slo: float | None, save_trace: str | None, quiet: bool,
                  stats_json: Path | None, plot: Path | None, skip_ahead: bool = True) -> int:
     cost = load_profile(profile)
-    items = trace_items(trace, gen)
+    items = trace_items(trace, gen, replay_rate, cfg.sampling.run_seed)
     if save_trace:
         n = write_trace(items(), save_trace)
         if not quiet:

@@ -122,7 +122,7 @@ class LLMEngine(Engine):
             return None, str(e)
 
     def _arrival(self, req: Request) -> float:
-        return self.clock()
+        return self.clock() if req.arrival is None else req.arrival
 
     def _check(self, req: Request) -> str | None:
         ids, vocab = req.prompt_token_ids, self.model.cfg.vocab_size

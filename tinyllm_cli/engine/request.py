@@ -206,6 +206,11 @@ class Request:
     index: int = 0  # position in the input, for input-order output
     error: str | None = None  # set when the request was bad before it reached the engine
     metadata: object = None  # echoed back untouched
+    # When the request arrived, on the engine's clock (``time.perf_counter`` for a real engine,
+    # virtual seconds for the simulator); None: when ``add_request`` is called. TTFT and latency
+    # count from it, so a caller that holds requests until a step boundary (serve-batch) still
+    # counts the wait for the step in flight. Meaningful only in the process that set it.
+    arrival: float | None = None
 
 
 class Status(enum.Enum):

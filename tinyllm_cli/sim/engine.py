@@ -23,20 +23,14 @@ generated blocks collide in the prefix cache.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ..engine.engine import LLMEngine
-from ..engine.request import Request, Status
+from ..engine.request import Status
 from ..engine.stats import StepRecord
 from ..model.llama import ModelConfig
 from .cost import CostModel
-
-
-@dataclass
-class SimRequest(Request):
-    arrival_s: float | None = None  # virtual seconds from the start; None: an offline batch
 
 
 class _NoModel:
@@ -64,10 +58,6 @@ class SimEngine(LLMEngine):
 
     def _now(self) -> float:
         return self.now
-
-    def _arrival(self, req: Request) -> float:
-        a = getattr(req, "arrival_s", None)
-        return self.now if a is None else a
 
     def _token(self, s) -> int:
         """The synthetic token ``s`` generates at its position ``num_tokens``."""

@@ -20,11 +20,12 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..config import Config
-from ..engine.request import RequestOutput
+from ..engine.dispatch import least_loaded
+from ..engine.request import Request, RequestOutput
 from ..engine.stats import RunStats, RunSummary
 from ..runtime import Runtime, make_cache
 from .cost import CostModel
-from .engine import SimEngine, SimRequest
+from .engine import SimEngine
 from .trace import to_requests
 
 
@@ -63,24 +64,24 @@ class Simulation:
             yield from self._run_many(reqs)
         self.stats.end = self._end()
 
-    def _run_one(self, eng: SimEngine, reqs: Iterator[SimRequest]) -> Iterator[RequestOutput]:
+    def _run_one(self, eng: SimEngine, reqs: Iterator[Request]) -> Iterator[RequestOutput]:
         pending = 4 * eng.scheduler.max_num_seqs
         nxt = next(reqs, None)
         while True:
             # Everything due by now (timed) and as much of an offline batch as run() would feed.
-            while nxt is not None and (nxt.arrival_s is None and eng.num_waiting() < pending
-                                       or nxt.arrival_s is not None and nxt.arrival_s <= eng.now):
+            while nxt is not None and (nxt.arrival is None and eng.num_waiting() < pending
+                                       or nxt.arrival is not None and nxt.arrival <= eng.now):
                 out = eng.add_request(nxt)
                 if out is not None:
                     yield self._record(out)
                 nxt = next(reqs, None)
-            timed = nxt is not None and nxt.arrival_s is not None
-            eng.next_arrival = nxt.arrival_s if timed else math.inf
+            timed = nxt is not None and nxt.arrival is not None
+            eng.next_arrival = nxt.arrival if timed else math.inf
             if not eng.has_unfinished():
                 if nxt is None:
                     return
                 if timed:
-                    eng.now = max(eng.now, nxt.arrival_s)
+                    eng.now = max(eng.now, nxt.arrival)
                 continue
             for out in eng.step():
                 yield self._record(out)
@@ -89,16 +90,16 @@ class Simulation:
         self.stats.record_request(out)
         return out
 
-    def _run_many(self, reqs: Iterator[SimRequest]) -> Iterator[RequestOutput]:
+    def _run_many(self, reqs: Iterator[Request]) -> Iterator[RequestOutput]:
         engines = self.engines
         inflight = [0] * len(engines)
         owner: dict[int, int] = {}
-        queue: deque[SimRequest] = deque()
+        queue: deque[Request] = deque()
         nxt = next(reqs, None)
         while True:
             busy = [i for i, e in enumerate(engines) if e.has_unfinished()]
             t_busy = min((engines[i].now for i in busy), default=math.inf)
-            t_arr = math.inf if nxt is None else (nxt.arrival_s or 0.0)
+            t_arr = math.inf if nxt is None else (nxt.arrival or 0.0)
             if nxt is None and not busy and not queue:
                 return
             if nxt is not None and t_arr <= t_busy:  # the next arrival comes first: queue it
@@ -110,16 +111,15 @@ class Simulation:
                     raise RuntimeError("simulated workers idle with requests queued")
                 i = min(busy, key=lambda j: engines[j].now)
                 eng = engines[i]
-                eng.next_arrival = math.inf if nxt is None else (nxt.arrival_s or 0.0)
+                eng.next_arrival = math.inf if nxt is None else (nxt.arrival or 0.0)
                 for out in eng.step():
                     inflight[owner.pop(out.index, i)] -= 1
                     yield self._record(out)
                 now = eng.now
             while queue:  # pull-based: the least loaded worker with room takes the head
-                room = [j for j in range(len(engines)) if inflight[j] < self.per_worker]
-                if not room:
+                j = least_loaded(range(len(engines)), inflight.__getitem__, self.per_worker)
+                if j is None:
                     break
-                j = min(room, key=lambda k: inflight[k])
                 req = queue.popleft()
                 e = engines[j]
                 if not e.has_unfinished():

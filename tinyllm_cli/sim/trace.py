@@ -10,6 +10,7 @@ A bad line is a ``UsageError`` of one sentence naming the file and line.
 
 Generators (``generate_trace``): offline batches, Poisson arrivals and bursty (gamma) arrivals,
 with prompt and output lengths uniform in L*(1-r)..L*(1+r), optionally behind shared prefixes.
+``serve_arrivals`` gives a trace serve-batch's ``--request-rate`` arrival times instead of its own.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..engine.request import SamplingParams
+from ..engine.request import Request, SamplingParams
 from ..errors import UsageError
-from .engine import SimRequest
 
 
 @dataclass(slots=True)
@@ -153,7 +153,7 @@ class TokenMaker:
         return prefix + tag + self._run(self.serial * 2654435761, rest - len(tag))
 
 
-def to_requests(items, vocab: int, index0: int = 0) -> Iterator[SimRequest]:
+def to_requests(items, vocab: int, index0: int = 0) -> Iterator[Request]:
     """Greedy ``ignore_eos`` requests that generate exactly ``output_len`` tokens each."""
     maker = TokenMaker(vocab)
     params: dict[int, SamplingParams] = {}
@@ -161,7 +161,7 @@ def to_requests(items, vocab: int, index0: int = 0) -> Iterator[SimRequest]:
         p = params.get(it.output_len)
         if p is None:
             p = params[it.output_len] = SamplingParams(max_new_tokens=it.output_len, ignore_eos=True)
-        yield SimRequest(it.id, maker.tokens(it), p, index=i, arrival_s=it.arrival_s)
+        yield Request(it.id, maker.tokens(it), p, index=i, arrival=it.arrival_s)
 
 
 # ---- generators --------------------------------------------------------------------------------
@@ -194,6 +194,19 @@ def generate_trace(num: int, input_len: int, output_len: int, *, arrivals: str =
         plen = _length(rng, input_len, range_ratio) + (prefix_len if prefix_len else 0)
         yield TraceItem(str(i), arr, plen, _length(rng, output_len, range_ratio), None, g,
                         prefix_len if prefix_len else 0)
+
+
+def serve_arrivals(items, rate: float, seed: int) -> Iterator[TraceItem]:
+    """The items with the arrival times ``serve-batch --request-rate rate --seed seed`` gives
+    the same lines when it reads them all at once: the first at 0, then Poisson gaps from the
+    same seeded generator (``workload.poisson_gaps``). The trace's own ``arrival_s`` is replaced."""
+    from ..workload import poisson_gaps
+    if not rate > 0:
+        raise UsageError(f"--request-rate must be positive, not {rate}")
+    gaps, t = poisson_gaps(rate, seed), None
+    for it in items:
+        t = 0.0 if t is None else t + next(gaps)
+        yield replace(it, arrival_s=t)
 
 
 def write_trace(items, path: str) -> int:
