@@ -14,7 +14,7 @@ from tinyllm_cli.sim.cost import CostModel, fit
 from tinyllm_cli.sim.run import Simulation
 from tinyllm_cli.sim.trace import TraceItem, generate_trace, read_trace, to_requests
 
-COEFS = [2e-3, 1e-4, 1e-7, 5e-5, 1e-8, 1e-4]
+COEFS = [2e-3, 1e-4, 1e-7, 5e-5, 1e-8, 1e-4, 3e-6]
 
 
 def tiny_cost(model_cfg) -> CostModel:
@@ -172,10 +172,13 @@ def test_trace_accepts_real_outputs(tmp_path):
 
 def test_fit_recovers_coefficients():
     rng = random.Random(0)
-    true = [3e-3, 2e-4, 1e-7, 4e-5, 2e-8, 5e-4]
+    true = [3e-3, 2e-4, 1e-7, 4e-5, 2e-8, 5e-4, 2e-6]
     samples = []
     for _ in range(300):
-        f = [1.0, rng.randint(0, 64), rng.randint(0, 20000), rng.randint(0, 512), rng.randint(0, 100000), rng.randint(0, 4)]
+        rows, bs = rng.randint(0, 64), rng.choice([8, 16, 32])
+        ctx = [rng.randint(1, 300) for _ in range(rows)]
+        f = [1.0, rows, sum(ctx), rng.randint(0, 512), rng.randint(0, 100000), rng.randint(0, 4),
+             sum(-(-c // bs) for c in ctx)]
         samples.append((f, sum(a * b for a, b in zip(true, f))))
     c, info = fit(samples)
     assert info["r2"] > 0.999
@@ -250,3 +253,30 @@ def test_replayed_arrivals_are_serve_batchs(tmp_path, capsys, monkeypatch, llama
               "--stats-json", str(out), "-q"])
     assert e.value.code == 0
     assert json.loads(out.read_text())["elapsed_s"] >= sim[-1]
+
+
+def test_version1_profile_reads_with_no_block_cost(tmp_path):
+    """A profile made before the per-block feature loads, charging nothing per block."""
+    p = tmp_path / "v1.json"
+    p.write_text(json.dumps({"coefs": {"paged": COEFS[:6]}, "version": 1}))
+    cm = CostModel.load(p)
+    assert cm.coefs["paged"] == COEFS[:6] + [0.0]
+
+
+def test_block_size_costs_what_the_profile_says(llama_dir):
+    """With a per-block cost, the same trace on smaller blocks takes longer (the same decisions
+    otherwise: no preemption at this pool size)."""
+    from tinyllm_cli.config import load_config, flat_overrides
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    mcfg = load_checkpoint(str(llama_dir), progress=False).config
+    items = items_mixed(30, 3)
+    elapsed = {}
+    for bs in (4, 32):
+        cfg = load_config(None, flat_overrides(dict(cache="paged", block_size=bs, kv_memory="4MiB", max_num_seqs=8,
+                                                    max_model_len=256, prefix_cache=False, model=str(llama_dir))))
+        sim = Simulation(cfg, tiny_cost(mcfg), workers=1)
+        list(sim.run(items))
+        s = sim.summary()
+        assert s["preemptions"] == 0
+        elapsed[bs] = s["elapsed_s"]
+    assert elapsed[4] > elapsed[32]

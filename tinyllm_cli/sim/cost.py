@@ -6,13 +6,16 @@ caller's own work between steps) is modelled as a linear function of the step's 
     t = c0                     fixed cost of a step (launches, Python, the LM head's setup)
       + c_row     * decode rows
       + c_ctx     * sum of the decode rows' context lengths   (attention reads)
+      + c_blk     * sum of the decode rows' blocks, ceil(context / block size)   (paged only:
+                    the per-block cost of gathering K/V, so a block-size sweep costs what it does)
       + c_prefill * prefill tokens
       + c_attn    * prefill attention pairs, sum of n * (start + (n + 1) / 2) per chunk
       + c_chunk   * prefill chunks
 
 with one set of coefficients per cache kind (their attention paths differ). ``calibrate`` times
 real steps of the configured model on this machine (an observer on a real ``LLM`` run, no change
-to the engine) and fits the coefficients by non-negative least squares; the profile is a small
+to the engine), the paged workloads at block sizes 8, 16 and 32 so that ``c_blk`` is measured,
+and fits the coefficients by non-negative least squares; the profile is a small
 JSON that names the model, dtype, device, CPU and thread count it was measured on, and carries
 the model's shape (so ``simulate`` needs no weights).
 """
@@ -25,31 +28,40 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from ..machine import cpu_name
 
-FEATURES = ("const", "decode_rows", "decode_ctx", "prefill_tokens", "prefill_attn", "prefill_chunks")
-PROFILE_VERSION = 1
+FEATURES = ("const", "decode_rows", "decode_ctx", "prefill_tokens", "prefill_attn", "prefill_chunks",
+            "decode_blocks")
+PROFILE_VERSION = 2  # 1: no decode_blocks (read as a zero coefficient)
 
 
-def step_features(plan) -> list[float]:
-    """The features of a scheduler ``Plan`` (read before the step stores its tokens)."""
+def step_features(plan, block_size: int | None) -> list[float]:
+    """The features of a scheduler ``Plan`` (read before the step stores its tokens);
+    ``block_size`` None for the slot cache (no blocks to gather)."""
     rows = len(plan.decode)
     ctx = sum(s.num_tokens for s in plan.decode)
+    blocks = 0 if block_size is None else sum(-(-s.num_tokens // block_size) for s in plan.decode)
     p = a = 0
     for _, start, n in plan.prefill:
         p += n
         a += n * (start + (n + 1) / 2)
-    return [1.0, rows, ctx, p, a, len(plan.prefill)]
+    return [1.0, rows, ctx, p, a, len(plan.prefill), blocks]
+
+
+def cache_block_size(cache) -> int | None:
+    """The block size the cost model charges per block: the paged cache's, none for slots."""
+    return cache.block_size if cache.kind == "paged" else None
 
 
 @dataclass
 class Coefs:
     c: list[float]
+    block_size: int | None
 
     def step_time(self, plan) -> float:
-        return sum(ci * xi for ci, xi in zip(self.c, step_features(plan)))
+        return sum(ci * xi for ci, xi in zip(self.c, step_features(plan, self.block_size)))
 
-    def decode_time(self, rows: int, ctx: int) -> float:
+    def decode_time(self, rows: int, ctx: int, blocks: int) -> float:
         c = self.c
-        return c[0] + c[1] * rows + c[2] * ctx
+        return c[0] + c[1] * rows + c[2] * ctx + c[6] * blocks
 
 
 @dataclass
@@ -68,9 +80,9 @@ class CostModel:
     made_with: str = ""
     version: int = PROFILE_VERSION
 
-    def for_cache(self, kind: str) -> Coefs:
-        c = self.coefs.get(kind) or next(iter(self.coefs.values()))
-        return Coefs(list(c))
+    def for_cache(self, cache) -> Coefs:
+        c = self.coefs.get(cache.kind) or next(iter(self.coefs.values()))
+        return Coefs(list(c), cache_block_size(cache))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -88,6 +100,8 @@ class CostModel:
             raise UsageError(f"{path} is not a tinyllm cost profile (no 'coefs'); make one with "
                              f"'tinyllm simulate calibrate --output FILE'")
         for kind, c in d["coefs"].items():
+            if isinstance(c, list) and len(c) == len(FEATURES) - 1:
+                c.append(0.0)  # a version-1 profile: no per-block cost measured
             if not (isinstance(c, list) and len(c) == len(FEATURES) and all(isinstance(x, (int, float)) for x in c)):
                 raise UsageError(f"{path}: coefs[{kind!r}] must be {len(FEATURES)} numbers ({', '.join(FEATURES)})")
         known = {f for f in cls.__dataclass_fields__}
@@ -159,7 +173,7 @@ class StepTimer:
     def __call__(self, engine, plan) -> None:
         now = time.perf_counter()
         if self._last is not None:
-            self.samples.append((step_features(plan), now - self._last))
+            self.samples.append((step_features(plan, cache_block_size(engine.cache)), now - self._last))
         self._last = now
 
     def finish(self, engine) -> None:
@@ -176,6 +190,7 @@ CALIBRATION = [  # (prompts, mean prompt length, output length, max_num_seqs): p
     (24, 512, 16, 16), (48, 64, 96, 48), (32, 192, 48, 32), (8, 32, 128, 8), (64, 24, 48, 64),
     (12, 1024, 8, 4),
 ]
+CALIBRATION_BLOCK_SIZES = (16, 8, 32)  # paged workloads cycle through these, so c_blk is identifiable
 
 
 def calibrate(cfg, kinds=("paged", "slot"), quiet: bool = False, scale: float = 1.0) -> CostModel:
@@ -203,7 +218,8 @@ def calibrate(cfg, kinds=("paged", "slot"), quiet: bool = False, scale: float = 
                 num = max(2, int(num * scale))
                 inp = max(4, min(int(inp * scale), limit // 2))
                 out = max(4, min(int(out * scale), limit - 2 * inp))
-                c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False)
+                bs = CALIBRATION_BLOCK_SIZES[i % len(CALIBRATION_BLOCK_SIZES)] if kind == "paged" else llm.config.cache.block_size
+                c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False, block_size=bs)
                 s = dataclasses.replace(llm.config.scheduler, max_num_seqs=mns)
                 llm.reconfigure(config=dataclasses.replace(llm.config, cache=c, scheduler=s))
                 llm.engine.add_observer(timer)

@@ -50,7 +50,7 @@ class SimEngine(LLMEngine):
         self.clock = self._now  # virtual time: every timestamp the engine and its stats take
         super().__init__(_NoModel(model_cfg), cache, None, max_num_seqs=max_num_seqs,
                          max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, eos_ids=(), seed=0)
-        self.cost = cost.for_cache(cache.kind)
+        self.cost = cost.for_cache(cache)
         self.skip_ahead = skip_ahead
         self.next_arrival = math.inf  # set by the caller: no window may start a step at or after it
         self.skipped_steps = 0  # steps taken in bulk by skip-ahead
@@ -140,6 +140,22 @@ class SimEngine(LLMEngine):
             k = events[free][0]  # the step that would need one block too many
         return k if k > 1 else 0
 
+    def _block_counts(self, run, k: int) -> list[int]:
+        """The cost model's decode_blocks feature for each of the window's k steps: step j's
+        rows hold num_tokens + j tokens, sum ceil(that / block size) (0 for the slot cache)."""
+        bs = self.cost.block_size
+        if bs is None:
+            return [0] * k
+        steps = [0] * k
+        for s in run:  # +1 block at each step whose context starts a block
+            for j in range((1 - s.num_tokens) % bs or bs, k, bs):
+                steps[j] += 1
+        total, out = sum(-(-s.num_tokens // bs) for s in run), []
+        for j in range(k):
+            total += steps[j]
+            out.append(total)
+        return out
+
     def _skip(self, k: int) -> None:
         cache, sch, st = self.cache, self.scheduler, self.stats
         run = list(sch.running)
@@ -149,12 +165,13 @@ class SimEngine(LLMEngine):
         fresh0 = pool.allocator.num_free
         events = self._allocations(k)
         ctx0 = sum(s.num_tokens for s in run)
+        blocks = self._block_counts(run, k)
         # Step times first: the window ends early if a step would start at or after an arrival.
         times, t = [], self.now
         for j in range(k):
             if j and t >= self.next_arrival:
                 break
-            t += self.cost.decode_time(B, ctx0 + B * j)
+            t += self.cost.decode_time(B, ctx0 + B * j, blocks[j])
             times.append(t)
         k = len(times)
         if k == 0:
