@@ -3,6 +3,8 @@ reference), and the real default model loaded once per session."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import settings
@@ -70,6 +72,13 @@ QWEN2_SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hi
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
                    rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
                    bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def peak_cache(tmp_path_factory):
+    """bench measures this CPU's peak by default (roofline.py): the tests' measurements go to a
+    cache of their own, never the user's ~/.cache."""
+    os.environ["TINYLLM_PEAK_CACHE"] = str(tmp_path_factory.mktemp("peak") / "peak.json")
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ def shared_prompts(tmp_path):
 def test_bench_plot_png_then_svg_from_its_json(capsys, llama_dir, tmp_path):
     png, js, svg = tmp_path / "b.png", tmp_path / "b.json", tmp_path / "b.svg"
     code, out, _ = cli(capsys, "bench", "--model", llama_dir, "--block-size", "4,8", "--cache", "paged,slot",
-                       "--prefix-cache", "on,off", "--kv-memory", "128KiB", "--no-warmup", "--json", js,
+                       "--prefix-cache", "on,off", "--kv-memory", "128KiB", "--no-warmup", "--no-roofline", "--json", js,
                        "--plot", png, *SMALL)
     assert code == 0 and out == ""
     w, h = png_size(png)

@@ -1,28 +1,22 @@
-"""Reference points for ``bench``: transformers' own ``generate`` on the identical workload, and
-the machine's GEMM rate on the model's own matrix shapes (the roofline), on the engine's own
-matmul path and, for comparison, on plain ``F.linear``.
+"""Reference point for ``bench``: transformers' own ``generate`` on the identical workload (the
+machine's own limits, the measured peak, are ``roofline.py``'s).
 
 Invariants:
 - The baseline sees the same prompt ids, greedy, with exactly ``output_len`` new tokens each
   (``min_new_tokens`` = ``max_new_tokens``), one left-padded batch, in the same process, after
   tinyllm's runs, loaded independently through transformers (GGUF dequantized by transformers).
-- FLOPs per token count every matmul of the model as if each token went through the output
-  projection (2 x multiply-adds); that is the usual tokens/s <-> FLOP/s conversion.
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .errors import TinyLLMError
 from .model import hub
 from .model.checkpoint import default_model_path
-from .model.gemm import PackedLinear
 
 
 def _hf_model(spec: str | None, dtype: torch.dtype, device: torch.device):
@@ -71,41 +65,3 @@ def hf_generate_baseline(spec: str | None, workload: list[list[int]], output_len
             "elapsed_s_runs": [round(t, 4) for t in times],
             "total_tokens_per_s": round(total / elapsed, 2),
             "output_tokens_per_s": round(len(workload) * output_len / elapsed, 2), "token_ids": new}
-
-
-def layer_shapes(cfg) -> list[tuple[int, int, int]]:
-    """(in, out, count per token) of every matmul the model runs for one token."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    per_layer = [(h, d * (cfg.num_heads + 2 * cfg.num_kv_heads)), (cfg.num_heads * d, h),
-                 (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]
-    return [(i, o, cfg.num_layers) for i, o in per_layer] + [(h, cfg.vocab_size, 1)]
-
-
-def measure_roofline(cfg, dtype: torch.dtype, device: torch.device, gemm: str = "torch", tokens: int = 256,
-                     reps: int = 10) -> dict:
-    """GEMM FLOP/s of ``tokens`` rows through each of the model's weight shapes, on the matmul
-    path ``gemm`` ('torch' = F.linear, 'onednn' = the packed linears the engine uses)."""
-    shapes = layer_shapes(cfg)
-    ws = [torch.randn(o, i, dtype=dtype, device=device) for i, o, _ in shapes]
-    xs = [torch.randn(tokens, i, dtype=dtype, device=device) for i, _, _ in shapes]
-    fns = [PackedLinear(w, None) if gemm == "onednn" else partial(F.linear, weight=w) for w in ws]
-
-    def seconds(fn, x) -> float:
-        fn(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / reps
-
-    # Each shape is weighted by how often one token meets it (30 layers vs one output projection),
-    # so the rate is that of the model's own mix of matmuls.
-    elapsed = sum(n * seconds(fn, x) for fn, x, (_, _, n) in zip(fns, xs, shapes))
-    flops = sum(2 * tokens * i * o * n for i, o, n in shapes)
-    rate = flops / elapsed
-    per_token = sum(2 * i * o * n for i, o, n in shapes)
-    return {"gemm": gemm, "gemm_gflops": round(rate / 1e9, 1), "flops_per_token": per_token,
-            "roofline_tokens_per_s": round(rate / per_token, 1), "gemm_rows": tokens}

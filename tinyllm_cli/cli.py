@@ -240,7 +240,10 @@ def bench(
     num_prefixes: Annotated[int, typer.Option(help="Shared-prefix workload: distinct prefixes (round robin).")] = 1,
     prefix_modes: Annotated[str, typer.Option("--prefix-cache", help="Paged runs with prefix caching: on, off or on,off.")] = "on",
     baseline: Annotated[Optional[str], typer.Option(help="Also run 'hf' (transformers generate) on the same workload.")] = None,
-    roofline: Annotated[bool, typer.Option("--roofline", help="Measure GEMM FLOP/s on the model's shapes; report fractions.")] = False,
+    roofline: Annotated[bool, typer.Option("--roofline/--no-roofline", help="Show each row's GFLOP/s and GB/s as "
+                                           "fractions of this CPU's measured (cached) matmul peak and bandwidth.")] = True,
+    remeasure_peak: Annotated[bool, typer.Option("--remeasure-peak", help="Measure the peak again instead of "
+                                                 "reading the cached one.")] = False,
     repeat: Annotated[int, typer.Option(help="Runs per row (round robin); rows report the median run.")] = 1,
     profile: Annotated[bool, typer.Option("--profile", help="Rerun the first row under torch.profiler; show where the time goes.")] = False,
     n_values: Annotated[Optional[str], typer.Option("--n", help="Comma list of completions per prompt, e.g. 1,4: one row each.")] = None,
@@ -257,7 +260,8 @@ def bench(
     spec = BenchSpec.parse(cfg, block_sizes=block_sizes, caches=caches, num_prompts=num_prompts, input_len=input_len,
                            output_len=output_len, range_ratio=range_ratio, prompts=prompts, seed=bench_seed,
                            warmup=warmup, chat=chat, prefix_len=prefix_len, num_prefixes=num_prefixes,
-                           prefix_cache=prefix_modes, baseline=baseline, roofline=roofline, profile=profile,
+                           prefix_cache=prefix_modes, baseline=baseline, roofline=roofline,
+                           remeasure_peak=remeasure_peak, profile=profile,
                            repeat=repeat, n_values=n_values, workers=workers)
     if max(spec.workers) > 1:
         from .cluster import require_ray

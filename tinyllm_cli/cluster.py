@@ -544,6 +544,7 @@ def merge_worker_summaries(sums: list[dict], elapsed: float) -> dict:
         "peak_wasted_slots": most("peak_wasted_slots"),
         "preemptions": total("preemptions"), "recomputed_tokens": total("recomputed_tokens"),
         "prefill_tokens": total("prefill_tokens"), "decode_tokens": total("decode_tokens"),
+        "work_counts": {k: sum(x["work_counts"][k] for x in sums) for k in sums[0]["work_counts"]},
         "prefix_caching": first["prefix_caching"], "prefix_cache_queries": q, "prefix_cache_hits": h,
         "prefix_cache_hit_rate": round(h / q, 4) if q else 0.0, "prefill_tokens_skipped": h,
         "peak_shared_refs": most("peak_shared_refs"), "forward_s": round(forward, 4),

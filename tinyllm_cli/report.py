@@ -78,6 +78,18 @@ BENCH_COLUMNS = [
 ]
 
 
+def _or_dash(fmt: str):
+    return lambda v: "-" if v is None else fmt.format(v)
+
+
+# Where the limit is (bench's in-process rows, ``roofline.py``): achieved rates and their
+# fractions of the measured peak; "-" where a row has none (Ray workers, --no-roofline).
+ROOFLINE_COLUMNS = [
+    ("GFLOP/s", "achieved_gflops", _or_dash("{:.0f}")), ("% peak", "roofline_frac", _or_dash("{:.0%}")),
+    ("GB/s", "achieved_gbps", _or_dash("{:.1f}")), ("% BW", "bandwidth_frac", _or_dash("{:.0%}")),
+]
+
+
 def print_worker_table(s: dict) -> None:
     """With Ray workers (``cluster.py``): one row per worker under the run table."""
     if "workers" in s:
@@ -110,7 +122,8 @@ def bench_table(rows: list[dict], title: str = "bench") -> Table:
     parallel = any("workers" in r for r in rows)
     if parallel:
         t.add_column("workers", justify="right")
-    columns = BENCH_COLUMNS + (FORK_COLUMNS if any(r.get("n", 1) > 1 for r in rows) else [])
+    columns = (BENCH_COLUMNS + (FORK_COLUMNS if any(r.get("n", 1) > 1 for r in rows) else [])
+               + (ROOFLINE_COLUMNS if any(r.get("achieved_gflops") is not None for r in rows) else []))
     for name, _, _ in columns:
         t.add_column(name, justify="right")
     t.add_column("TTFT p50 ms", justify="right")

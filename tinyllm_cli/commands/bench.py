@@ -9,8 +9,12 @@ Invariants:
 - ``--n 1,4`` runs every row once per n: each prompt asks for n completions (greedy, so the n
   are identical; what differs is memory: the paged cache shares the prompt's blocks among the n
   forks, the slot cache copies the prompt into one slot per fork).
-- Reference points (transformers baseline, GEMM roofline, profile) measure the in-process
-  engine, so they need worker count 1 in the sweep.
+- Reference points (transformers baseline, profile) measure the in-process engine, so they
+  need worker count 1 in the sweep.
+- Where the limit is (``roofline.py``): each in-process row carries its model work (FLOPs,
+  bytes, from the counts its steps recorded) and achieved GFLOP/s and GB/s, and, with
+  ``--roofline`` (the default), their fractions of this CPU's measured peak (cached per machine).
+  Rows from Ray workers carry None there: the peak is this process's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from ..errors import TinyLLMError, UsageError
 from ..io import check_prompt_file
 from ..llm import LLM
 from ..report import bench_table, stderr_console
+from ..roofline import measure_peak, model_weight_bytes, rates, work_of_run
 from ..runtime import kv_budget
 from ..workload import check_workload, prompts_from_file, requests_for, shared_prefix_prompts
 from .common import int_list, open_llm
@@ -50,7 +55,8 @@ class BenchSpec:
     num_prefixes: int = 1
     prefix_modes: tuple[bool, ...] = (True,)
     baseline: str | None = None
-    roofline: bool = False
+    roofline: bool = True
+    remeasure_peak: bool = False
     profile: bool = False
     repeat: int = 1
     workers: list[int] = dataclasses.field(default_factory=lambda: [1])  # 1: in-process; N: Ray workers
@@ -60,8 +66,8 @@ class BenchSpec:
     def parse(cls, cfg: Config, *, block_sizes: str | None, caches: str, num_prompts: int, input_len: int,
               output_len: int, range_ratio: float, prompts: str | None, seed: int, warmup: bool, chat: bool,
               prefix_len: int = 0, num_prefixes: int = 1,
-              prefix_cache: str = "on", baseline: str | None = None, roofline: bool = False,
-              profile: bool = False, repeat: int = 1, n_values: str | None = None,
+              prefix_cache: str = "on", baseline: str | None = None, roofline: bool = True,
+              remeasure_peak: bool = False, profile: bool = False, repeat: int = 1, n_values: str | None = None,
               workers: str | None = None) -> "BenchSpec":
         sizes = int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
         kinds = [c.strip() for c in caches.split(",") if c.strip()]
@@ -83,14 +89,16 @@ class BenchSpec:
             raise UsageError(f"--baseline takes hf (transformers generate), not {baseline!r}")
         ns = tuple(int_list(n_values, "--n")) if n_values else (1,)
         counts = int_list(workers, "--workers") if workers else [1]
-        if (baseline or roofline or profile) and (1 not in counts or cfg.parallel.ray_address is not None):
-            raise UsageError("--baseline, --roofline and --profile measure the in-process engine: "
+        if (baseline or profile) and (1 not in counts or cfg.parallel.ray_address is not None):
+            raise UsageError("--baseline and --profile measure the in-process engine: "
                              "include 1 in --workers (without --ray-address)")
+        if remeasure_peak and not roofline:
+            raise UsageError("--remeasure-peak measures the peak --roofline compares with: drop --no-roofline")
         return cls(block_sizes=sizes, caches=kinds, num_prompts=num_prompts, input_len=input_len,
                    output_len=output_len, range_ratio=range_ratio, prompts=prompts, seed=seed, warmup=warmup,
                    chat=chat, prefix_len=prefix_len, num_prefixes=num_prefixes,
                    prefix_modes=tuple(modes[m] for m in picked), baseline=baseline, roofline=roofline,
-                   profile=profile, repeat=repeat, workers=counts, n_values=ns)
+                   remeasure_peak=remeasure_peak, profile=profile, repeat=repeat, workers=counts, n_values=ns)
 
     def combos(self) -> list[tuple[str, int, bool, int]]:
         out = []
@@ -177,10 +185,12 @@ def sweep(spec: BenchSpec, cfg: Config, quiet: bool) -> tuple[list[dict], dict, 
                 budget = kv_budget(dataclasses.replace(cfg, cache=sized), rt.model_cfg, rt.dtype, rt.device).bytes
                 described = rt.describe()
             got, first_tokens = timed_rows(spec, llm, wcfg, budget, workload, quiet)
+            if rt.model is not None:  # the in-process engine: its rows get the work and references
+                refs = reference_points(spec, wcfg, llm, budget, workload, first_tokens, got, quiet)
+            else:
+                got = [r | dict.fromkeys(WORK_KEYS) for r in got]
             if parallel:
                 got = [r | {"workers": w, "worker_threads": _threads(r)} for r in got]
-            if rt.model is not None and not refs:
-                refs = reference_points(spec, wcfg, llm, budget, workload, first_tokens, got, quiet)
             rows += got
     if parallel:
         base = {(r["cache_kind"], r["block_size"], r["prefix_caching"], r["n"]): r for r in rows if r["workers"] == 1}
@@ -190,6 +200,27 @@ def sweep(spec: BenchSpec, cfg: Config, quiet: bool) -> tuple[list[dict], dict, 
     for r in rows:
         r["reference"] = refs
     return rows, refs, workload, budget, described
+
+
+WORK_KEYS = ("work", "achieved_gflops", "achieved_gbps", "roofline_frac", "bandwidth_frac")
+
+
+def add_work(rows: list[dict], rt, peak: dict | None) -> None:
+    """Put the ``WORK_KEYS`` on each in-process row: its model work (exact, from its steps'
+    counts), achieved GFLOP/s and GB/s, and their fractions of ``peak`` (None without one)."""
+    import torch
+    wb = model_weight_bytes(rt.model)
+    kv = torch.tensor([], dtype=rt.dtype).element_size()  # the K/V pools hold the model dtype
+    for r in rows:
+        w = work_of_run(rt.model_cfg, r, weight_bytes=wb, kv_elem_bytes=kv)
+        r |= {"work": w.as_dict()} | rates(w, r["elapsed_s"], peak)
+
+
+def tokens_at_peak(row: dict, peak: dict) -> float:
+    """Total tok/s the row's workload would reach with all its FLOPs at the matmul peak (the
+    plot's roofline line)."""
+    per_token = row["work"]["flops"] / (row["prompt_tokens"] + row["output_tokens"])
+    return round(peak["gemm_gflops"] * 1e9 / per_token, 1)
 
 
 def _threads(row: dict) -> int:
@@ -222,17 +253,18 @@ def run_bench(cfg: Config, spec: BenchSpec, json_out: Path | None, csv_out: Path
 
 def reference_points(spec: BenchSpec, cfg: Config, llm: LLM, budget: int, workload, first_tokens, rows,
                      quiet) -> dict:
-    """Run the baseline / roofline / profile after tinyllm's in-process runs; ratios go on ``rows``."""
-    from ..baselines import hf_generate_baseline, measure_roofline
+    """The measured peak, baseline and profile, after tinyllm's in-process runs; each row gets its
+    work and rates against the peak (``add_work``) and ratios to the baseline."""
+    from ..baselines import hf_generate_baseline
     rt = llm.runtime
     refs: dict = {}
+    peak = None
     if spec.roofline:
-        refs["roofline"] = measure_roofline(rt.model_cfg, rt.dtype, rt.device, rt.gemm)
-        if rt.gemm != "torch":  # the plain F.linear rate, for comparison with other tools
-            refs["roofline_torch"] = measure_roofline(rt.model_cfg, rt.dtype, rt.device, "torch")
-        for r in rows:
-            r["roofline_frac"] = round(r["total_tokens_per_s"] / refs["roofline"]["roofline_tokens_per_s"], 3)
-            r["achieved_gflops"] = round(r["total_tokens_per_s"] * refs["roofline"]["flops_per_token"] / 1e9, 1)
+        shape = (rt.model_cfg.hidden_size, rt.model_cfg.intermediate_size)
+        peak = measure_peak(rt.dtype, shape, refresh=spec.remeasure_peak)
+    add_work(rows, rt, peak)
+    if peak is not None:
+        refs["roofline"] = peak | {"roofline_tokens_per_s": tokens_at_peak(rows[0], peak)}
     if spec.baseline == "hf":
         if not quiet:
             print("running the transformers baseline ...", file=sys.stderr)
@@ -285,14 +317,15 @@ def reference_table(refs: dict, rows: list[dict]):
                   f"{h['total_tokens_per_s']:.1f} total tok/s ({h['elapsed_s']:.2f} s)",
                   "  ".join(f"{l}: {r['vs_hf']:.2f}x" for l, r in zip(label, rows)))
         t.add_row("greedy outputs identical to tinyllm", f"{h['greedy_match']} / {h['num_prompts']}", "")
-    names = {"roofline": "GEMM roofline, engine's {gemm} path ({gemm_rows} rows, model shapes)",
-             "roofline_torch": "GEMM rate of plain F.linear ({gemm_rows} rows)"}
-    for key, name in names.items():
-        if key in refs:
-            f = refs[key]
-            t.add_row(name.format(**f), f"{f['gemm_gflops']:.0f} GFLOP/s = {f['roofline_tokens_per_s']:.0f} tok/s",
-                      "  ".join(f"{l}: {r['total_tokens_per_s'] / f['roofline_tokens_per_s']:.0%}"
-                                for l, r in zip(label, rows)))
+    if "roofline" in refs:
+        p = refs["roofline"]
+        t.add_row(f"matmul peak: {p['gemm']} at {p['gemm_rows']} rows on {p['shape'][0]}x{p['shape'][1]} "
+                  f"({p['threads']} threads{', cached' if p['cached'] else ''})",
+                  f"{p['gemm_gflops']:.0f} GFLOP/s = {p['roofline_tokens_per_s']:.0f} tok/s",
+                  "  ".join(f"{l}: {r['roofline_frac']:.0%}" for l, r in zip(label, rows) if r["roofline_frac"]))
+        t.add_row("memory bandwidth: sum over 512 MiB", f"{p['bandwidth_gbps']:.1f} GB/s",
+                  "  ".join(f"{l}: {r['bandwidth_frac']:.0%}" for l, r in zip(label, rows) if r["bandwidth_frac"]))
+        t.caption = f"peak measured on {p['cpu']} ({p['dtype']}); see docs/performance.md, Where the limit is"
     return t
 
 

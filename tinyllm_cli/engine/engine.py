@@ -201,6 +201,7 @@ class LLMEngine(Engine):
         if plan.empty:
             self._record(plan, 0.0, self.cache.usage(), len(self.scheduler.running))
             return done
+        work = plan_work(plan)  # before the step moves its sequences on
         samplers, tokens, logprobs, forward_s = self._compute(plan)
         t4 = time.perf_counter()
         self._advance(plan)
@@ -221,7 +222,7 @@ class LLMEngine(Engine):
                 if out is not None:
                     done.append(out)
         clock["postprocess"] += time.perf_counter() - t4
-        self._record(plan, forward_s, usage, running)
+        self._record(plan, forward_s, usage, running, work)
         return done
 
     def _compute(self, plan: Plan):
@@ -300,7 +301,7 @@ class LLMEngine(Engine):
         token not scored yet: position p predicts token p + 1; the last prompt row predicts the
         first output token, which is sampled, not scored."""
         g = s.group
-        lo, hi = max(start, len(g.prompt_logprobs) - 1), min(start + n, s.num_prompt - 1)
+        lo, hi = scored_span(s, start, n)
         if hi > lo:
             scoring.rows += range(row + lo - start, row + hi - start)
             scoring.targets += s.tokens[lo + 1:hi + 1]
@@ -452,7 +453,7 @@ class LLMEngine(Engine):
             self._token_text[tok] = self.tokenizer.decode([tok])
         return self._token_text[tok]
 
-    def _record(self, plan: Plan, forward_s: float, u, running: int) -> None:
+    def _record(self, plan: Plan, forward_s: float, u, running: int, work: dict | None = None) -> None:
         n_pre = len(plan.preempted)
         self.stats.preemptions += n_pre
         self.stats.recomputed_tokens += plan.recomputed
@@ -465,8 +466,35 @@ class LLMEngine(Engine):
             tokens_stored=u.tokens_stored, slots_allocated=u.slots_allocated,
             prefill_tokens=sum(n for _, _, n in plan.prefill), decode_tokens=len(plan.decode), preempted=n_pre,
             forward_s=round(forward_s, 6), shared_refs=u.shared_refs, cached_free=u.blocks_cached_free,
-            shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs))
+            shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs,
+            **(work or {})))
         self._step += 1
+
+
+def scored_span(s: Sequence, start: int, n: int) -> tuple[int, int]:
+    """Positions [lo, hi) of chunk ``[start, start + n)`` whose rows score a prompt token (empty
+    when lo >= hi): position p predicts token p + 1, skipping tokens already scored and the last
+    prompt position, which predicts the sampled first output token."""
+    return max(start, len(s.group.prompt_logprobs) - 1), min(start + n, s.num_prompt - 1)
+
+
+def plan_work(plan: Plan) -> dict:
+    """The step's model work as host integers, for ``StepRecord`` (``roofline.py`` turns them
+    into FLOPs and bytes): one forward; rows through the output projection (one per sampled
+    token, n for a prompt that forks n ways, plus scored prompt rows); query-key pairs of causal
+    attention (a decode row at context c: c; a chunk of n rows from position p: n*p + n(n+1)/2);
+    and K/V token positions read (each decode row its context, each chunk its context once)."""
+    logit_rows = len(plan.decode)
+    pairs = kv_read = sum(s.num_tokens for s in plan.decode)  # the row's own token is stored first
+    for s, start, n in plan.prefill:
+        if start + n == s.num_tokens:
+            logit_rows += 1 + len(s.pending)
+        if s.group is not None and s.group.scoring_prompt:
+            lo, hi = scored_span(s, start, n)
+            logit_rows += max(0, hi - lo)
+        pairs += n * start + n * (n + 1) // 2
+        kv_read += start + n
+    return {"forwards": 1, "logit_rows": logit_rows, "attn_pairs": pairs, "kv_read_tokens": kv_read}
 
 
 class _Done:

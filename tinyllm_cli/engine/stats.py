@@ -12,9 +12,14 @@ Memory stays flat however long the run (an endless ``serve-batch`` stream):
   steps) and so on. A merged point keeps its first step's ``step`` and ``t``, the max of the
   gauges (running, waiting, blocks used, tokens stored, slots allocated, shared/cached/fork
   counts), the min of ``blocks_free``, and the sums of the per-step counts (prefill and decode
-  tokens, preempted, forward_s); ``span`` is how many engine steps it covers (1 until the first
+  tokens, preempted, forward_s, and the work counts below); ``span`` is how many engine steps it covers (1 until the first
   merge), so the first point starts at step 0 and the last one ends at the last step. Runs under
   ``TIMELINE_POINTS`` steps keep every step exactly as recorded.
+- Each record carries the step's model work as counts (``WORK_COUNTS``: forwards, rows through
+  the output projection, causal attention query-key pairs, K/V positions read; see
+  ``engine.plan_work``). They are sums, so any merged record, the whole timeline and the
+  summary's ``work_counts`` all add up to the same run totals; ``roofline.py`` turns them into
+  FLOPs and bytes with the model's shape.
 - ``preemption_steps`` is a ``Thinned`` sample of at most ``TIMELINE_POINTS`` step numbers
   (every one until it fills, then every 2nd, 4th, ...); the count, ``preemptions``, stays exact.
 - TTFT / TPOT / latency percentiles are ``Quantiles``: exact (the values kept, as before) up to
@@ -66,6 +71,10 @@ class StepRecord:
     fork_shared_blocks: int = 0  # blocks shared by forks of one request (parallel sampling)
     fork_refs: int = 0  # extra references the forks hold on them
     span: int = 1  # engine steps this record covers (more than 1 once the timeline is downsampled)
+    forwards: int = 0  # forward passes (1 for a step that ran the model; 0 for an empty step)
+    logit_rows: int = 0  # rows through the output projection
+    attn_pairs: int = 0  # query-key pairs of causal attention, summed over the step's rows
+    kv_read_tokens: int = 0  # K/V token positions attention read
 
     @property
     def utilization(self) -> float:
@@ -74,7 +83,8 @@ class StepRecord:
 
 _MAX = ("running", "waiting", "blocks_used", "tokens_stored", "slots_allocated", "shared_refs", "cached_free",
         "shared_blocks", "fork_shared_blocks", "fork_refs")
-_SUM = ("prefill_tokens", "decode_tokens", "preempted", "span")
+WORK_COUNTS = ("forwards", "logit_rows", "attn_pairs", "kv_read_tokens")
+_SUM = ("prefill_tokens", "decode_tokens", "preempted", "span", *WORK_COUNTS)
 
 
 def merge_records(a: StepRecord, b: StepRecord) -> StepRecord:
@@ -216,6 +226,7 @@ class StepTotals:
     peak_shared_refs: int = 0
     peak_fork_shared_blocks: int = 0
     peak_fork_refs: int = 0
+    work: dict = field(default_factory=lambda: dict.fromkeys(WORK_COUNTS, 0))
 
     def add(self, s: StepRecord) -> None:
         self.steps += 1
@@ -233,6 +244,8 @@ class StepTotals:
         self.peak_shared_refs = max(self.peak_shared_refs, s.shared_refs)
         self.peak_fork_shared_blocks = max(self.peak_fork_shared_blocks, s.fork_shared_blocks)
         self.peak_fork_refs = max(self.peak_fork_refs, s.fork_refs)
+        for k in WORK_COUNTS:
+            self.work[k] += getattr(s, k)
 
 
 @dataclass
@@ -314,6 +327,7 @@ class RunStats:
             "prefill_tokens": t.prefill_tokens,
             **self._prefix_summary(), **self._fork_summary(),
             "decode_tokens": t.decode_tokens,
+            "work_counts": dict(t.work) | {"tokens": t.prefill_tokens + t.decode_tokens},
             "forward_s": round(self.forward_s, 4),
             # Everything in the run's wall time that is not the model's forward pass: scheduling,
             # packing, sampling, stop checks, and the caller's reading and writing.

@@ -192,7 +192,8 @@ class SimEngine(LLMEngine):
                 blocks_used=used, blocks_free=u.blocks_free - e, tokens_stored=u.tokens_stored + B * (j + 1),
                 slots_allocated=used * bs, prefill_tokens=0, decode_tokens=B, preempted=0,
                 forward_s=round(dt, 6), shared_refs=u.shared_refs, cached_free=u.blocks_cached_free - evicted,
-                shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs))
+                shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs,
+                forwards=1, logit_rows=B, attn_pairs=ctx0 + B * j, kv_read_tokens=ctx0 + B * j))  # plan_work's counts
             st.forward_s += dt
             self._step += 1
             del start_e

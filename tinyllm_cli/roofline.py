@@ -1,0 +1,296 @@
+"""Where the limit is: the model-determined work of a run (FLOPs, bytes moved) and this CPU's
+measured peak (matmul FLOP/s, memory bandwidth), so a bench row can say how close to the machine
+an engine runs.
+
+Work is counted from the model's shape and five counts, never from timings or engine internals:
+forwards (forward passes), tokens (rows through the decoder layers), logit rows (rows through
+the output projection), attention pairs (query-key pairs of causal attention) and K/V positions
+read. For one step:
+
+- linear FLOPs = 2 x (decoder-layer weight params x tokens + hidden x vocab x logit rows): every
+  weight matmul, a multiply-add counted as 2; the output projection only for the rows whose
+  logits are computed (tinyllm: sampled rows and scored prompt rows, never every prompt token).
+- attention FLOPs = 4 x heads x head_dim x layers x pairs (QK^T and P.V, 2 each per pair and
+  head dimension); causal: a chunk of n rows from position p has n*p + n(n+1)/2 pairs, however
+  a kernel computes them.
+- weight bytes = the weights' bytes once per forward (the lower bound: each forward streams
+  every weight from memory at least once; a quantized model's actual packed bytes).
+- K/V bytes = (positions read + tokens written) x K/V bytes per token (all layers): each decode
+  row reads its whole context, each prefill chunk its context once; each token writes its own.
+  Activations, norms, biases and the embedding lookup are left out (small against these).
+
+Invariants:
+- Every count is a sum over steps and every formula is linear in the counts, so the work of a run
+  is the sum of its steps' work, however the stats timeline merged them.
+- ``workload_work`` gives any engine's work for a workload (prompt lengths, output length, n),
+  greedy to exactly ``output_len`` tokens: FLOPs and K/V writes are exact for any batching (no
+  prefix-cache hits, no preemption); weight bytes and prefill K/V reads assume the workload is
+  prefilled first, in ceil(prompt tokens / max_prefill_tokens) forwards (one chunk per prompt),
+  then decoded together in output_len - 1 forwards: what a continuous batcher does when the
+  whole workload fits at once. tinyllm's own runs use the exact counts its steps recorded.
+- The peak is a microbenchmark in this process: the best matmul rate of ``F.linear`` and of
+  oneDNN's pre-packed linear (where usable) on the model's hidden -> FFN shape at 1, 32 and 256
+  rows (the peak is the 256-row figure), and the read bandwidth of a sum over 512 MiB (best of
+  several). It is cached per CPU, dtype, thread count, torch version and shape in
+  ``peak_cache_path()``, so only the first bench on a machine pays for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .machine import cpu_name
+
+PEAK_ROWS = (1, 32, 256)  # matmul rows measured; the peak is the last
+BANDWIDTH_BYTES = 512 * 2**20  # well past any last-level cache these machines have
+
+
+@dataclass(frozen=True)
+class Work:
+    forwards: int = 0
+    tokens: int = 0
+    linear_flops: int = 0
+    attention_flops: int = 0
+    weight_bytes: int = 0
+    kv_read_bytes: int = 0
+    kv_write_bytes: int = 0
+
+    @property
+    def flops(self) -> int:
+        return self.linear_flops + self.attention_flops
+
+    @property
+    def bytes(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(Work)})
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"flops": self.flops, "bytes": self.bytes}
+
+
+# ---- the model's shape ---------------------------------------------------------------------
+
+def layer_params(cfg) -> int:
+    """Weight params of one decoder layer's matmuls: q/k/v, o, gate/up, down."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = h * d * (cfg.num_heads + 2 * cfg.num_kv_heads)
+    return qkv + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+
+
+def head_params(cfg) -> int:
+    """Weight params of the output projection (the embedding matrix itself when tied)."""
+    return cfg.hidden_size * cfg.vocab_size
+
+
+def dense_weight_bytes(cfg, elem_bytes: int) -> int:
+    """Bytes of weights one forward reads for a model held dense at ``elem_bytes`` per weight."""
+    return (cfg.num_layers * layer_params(cfg) + head_params(cfg)) * elem_bytes
+
+
+def model_weight_bytes(model) -> int:
+    """Bytes of weights one forward of a loaded ``LlamaModel`` reads, as held (packed oneDNN,
+    4-bit or int8 buffers included): every tensor of the decoder layers, the final norm and the
+    output projection (a tied one holds the embedding matrix). The embedding lookup reads T rows
+    only, so the embedding is not counted unless the output projection is it."""
+    mods = [*model.layers, model.norm, model.lm_head, *getattr(model.lm_head, "_embed", [])]  # Int8Head's rows
+    seen, total = set(), 0
+    for m in mods:
+        for sub in m.modules():
+            ts = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+            packed = getattr(sub, "packed", None)  # PackedLinear keeps its oneDNN tensor unregistered
+            ts += [packed] if isinstance(packed, torch.Tensor) else []
+            for t in ts:
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    total += t.nbytes
+    return total
+
+
+# ---- counts -> work ------------------------------------------------------------------------
+
+def work_of_counts(cfg, counts: Mapping[str, int], *, weight_bytes: int, kv_elem_bytes: int) -> Work:
+    """The work of ``counts`` (forwards, tokens, logit_rows, attn_pairs, kv_read_tokens) on this
+    model: the formulas of the module docstring."""
+    per_pair = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    kv_token = cfg.kv_bytes_per_token * kv_elem_bytes
+    return Work(forwards=counts["forwards"], tokens=counts["tokens"],
+                linear_flops=2 * (cfg.num_layers * layer_params(cfg) * counts["tokens"]
+                                  + head_params(cfg) * counts["logit_rows"]),
+                attention_flops=per_pair * counts["attn_pairs"],
+                weight_bytes=weight_bytes * counts["forwards"],
+                kv_read_bytes=kv_token * counts["kv_read_tokens"], kv_write_bytes=kv_token * counts["tokens"])
+
+
+def step_counts(rec) -> dict[str, int]:
+    """The counts of one ``StepRecord`` (or a merged one)."""
+    return {"forwards": rec.forwards, "tokens": rec.prefill_tokens + rec.decode_tokens,
+            "logit_rows": rec.logit_rows, "attn_pairs": rec.attn_pairs, "kv_read_tokens": rec.kv_read_tokens}
+
+
+def work_of_steps(cfg, records: Iterable, *, weight_bytes: int, kv_elem_bytes: int) -> Work:
+    """The work of tinyllm's steps: the sum over ``StepRecord``s (a timeline, merged or not)."""
+    total = Work()
+    for rec in records:
+        total += work_of_counts(cfg, step_counts(rec), weight_bytes=weight_bytes, kv_elem_bytes=kv_elem_bytes)
+    return total
+
+
+def work_of_run(cfg, summary: Mapping, *, weight_bytes: int, kv_elem_bytes: int) -> Work:
+    """The work of one tinyllm run, exact, from its summary's ``work_counts`` (the running sums of
+    its steps' counts: equal to ``work_of_steps`` over its whole timeline)."""
+    return work_of_counts(cfg, summary["work_counts"], weight_bytes=weight_bytes, kv_elem_bytes=kv_elem_bytes)
+
+
+def workload_counts(prompt_lens: Sequence[int], output_len: int, n: int = 1,
+                    max_prefill_tokens: int | None = None) -> dict[str, int]:
+    """The counts of a workload run by any engine under the module docstring's assumption: each
+    prompt prefilled once and forked ``n`` ways, every sequence decoded to exactly ``output_len``
+    tokens (the last one sampled, never fed back)."""
+    if output_len < 1 or n < 1 or not prompt_lens or min(prompt_lens) < 1:
+        raise ValueError("a workload needs prompts of at least 1 token, output_len >= 1 and n >= 1")
+    prompt = sum(prompt_lens)
+    dec = output_len - 1  # decode rows per sequence
+    decode_ctx = n * sum(dec * L + dec * (dec + 1) // 2 for L in prompt_lens)  # contexts L+1 .. L+dec
+    prefill_steps = 1 if max_prefill_tokens is None else math.ceil(prompt / max_prefill_tokens)
+    return {"forwards": prefill_steps + dec, "tokens": prompt + n * len(prompt_lens) * dec,
+            "logit_rows": n * len(prompt_lens) * output_len,
+            "attn_pairs": sum(L * (L + 1) // 2 for L in prompt_lens) + decode_ctx,
+            "kv_read_tokens": prompt + decode_ctx}
+
+
+def workload_work(cfg, prompt_lens: Sequence[int], output_len: int, *, weight_bytes: int, kv_elem_bytes: int,
+                  n: int = 1, max_prefill_tokens: int | None = None) -> Work:
+    """Any engine's work for a workload (``scripts/compare_engines.py`` divides it by each
+    engine's wall time). ``weight_bytes``: ``dense_weight_bytes(cfg, 4 or 2)`` for float32 or
+    bfloat16 weights, the file's actual bytes for a quantized one; ``kv_elem_bytes``: the K/V
+    dtype's bytes (the model dtype's in tinyllm)."""
+    return work_of_counts(cfg, workload_counts(prompt_lens, output_len, n, max_prefill_tokens),
+                          weight_bytes=weight_bytes, kv_elem_bytes=kv_elem_bytes)
+
+
+def rates(work: Work, elapsed_s: float, peak: dict | None) -> dict:
+    """Achieved GFLOP/s and GB/s of ``work`` done in ``elapsed_s``, with their fractions of the
+    measured peak where there is one (None otherwise)."""
+    gflops, gbps = work.flops / elapsed_s / 1e9, work.bytes / elapsed_s / 1e9
+    return {"achieved_gflops": _sig(gflops), "achieved_gbps": _sig(gbps),
+            "roofline_frac": _sig(gflops / peak["gemm_gflops"]) if peak else None,
+            "bandwidth_frac": _sig(gbps / peak["bandwidth_gbps"]) if peak else None}
+
+
+def _sig(x: float) -> float:
+    """4 significant digits: a tiny test model's rates are far below 0.1 and still not zero."""
+    return float(f"{x:.4g}")
+
+
+# ---- the peak ------------------------------------------------------------------------------
+
+def peak_cache_path() -> Path:
+    """``$TINYLLM_PEAK_CACHE``, else ``$XDG_CACHE_HOME/tinyllm/peak.json`` (``~/.cache`` by
+    default), beside the kernels' cache."""
+    if os.environ.get("TINYLLM_PEAK_CACHE"):
+        return Path(os.environ["TINYLLM_PEAK_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tinyllm" / "peak.json"
+
+
+def peak_key(dtype: torch.dtype, threads: int, shape: tuple[int, int]) -> str:
+    return f"{cpu_name()} | {str(dtype).removeprefix('torch.')} | {threads} threads | torch {torch.__version__} " \
+           f"| {shape[0]}x{shape[1]}"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        got = json.loads(path.read_text())
+        return got if isinstance(got, dict) else {}
+    except (OSError, ValueError):
+        return {}  # missing or damaged: measure again and rewrite it
+
+
+def _write_cache(path: Path, key: str, peak: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _read_cache(path) | {key: peak}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=2) + "\n")
+        os.replace(tmp, path)  # atomic: a concurrent bench reads the old file or the new one
+    except OSError:
+        pass  # an unwritable cache only costs a re-measurement next time
+
+
+def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threads: int | None = None,
+                 seconds: float = 1.5, refresh: bool = False) -> dict:
+    """This CPU's measured peak at ``dtype`` with ``threads`` torch threads (this process's
+    setting when None) on a ``shape`` = (hidden, FFN) matmul: from the cache unless ``refresh``;
+    measuring takes about ``seconds``. Returns gemm_gflops (the best path at 256 rows), gemm
+    (that path), gemm_rows, gflops (path -> rows -> GFLOP/s), bandwidth_gbps and where it came from."""
+    before = torch.get_num_threads()
+    threads = threads or before
+    key, path = peak_key(dtype, threads, shape), peak_cache_path()
+    if not refresh and key in (cached := _read_cache(path)):
+        return cached[key] | {"cached": True}
+    torch.set_num_threads(threads)
+    try:
+        gflops = _matmul_rates(dtype, shape, seconds * 0.75)
+        bandwidth = _read_bandwidth(seconds * 0.25)
+    finally:
+        torch.set_num_threads(before)
+    top = str(PEAK_ROWS[-1])  # string keys, as JSON gives them back from the cache
+    best = max(gflops, key=lambda p: gflops[p][top])
+    peak = {"cpu": cpu_name(), "dtype": str(dtype).removeprefix("torch."), "threads": threads,
+            "torch": torch.__version__, "shape": list(shape), "gemm": best,
+            "gemm_gflops": gflops[best][top], "gemm_rows": PEAK_ROWS[-1], "gflops": gflops,
+            "bandwidth_gbps": bandwidth, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    _write_cache(path, key, peak)
+    return peak | {"cached": False}
+
+
+def _best_seconds(fn, budget: float) -> float:
+    """The fastest of repeated calls of ``fn`` within about ``budget`` seconds (best, not mean:
+    on a shared machine the fastest call is the one nothing else interrupted)."""
+    fn()  # first-call costs (allocation, kernel selection) are not the rate
+    best, stop = math.inf, time.perf_counter() + budget
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        t = time.perf_counter() - t0
+        best = min(best, t)
+        if t0 + t >= stop:
+            return best
+
+
+def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], budget: float) -> dict[str, dict[str, float]]:
+    """GFLOP/s of x[rows, hidden] @ W[FFN, hidden]^T per matmul path and row count."""
+    from .model.gemm import PackedLinear, onednn_usable
+    k, n = shape
+    w = torch.randn(n, k).to(dtype)
+    paths = {"torch": partial(F.linear, weight=w)}
+    if onednn_usable(dtype, torch.device("cpu")):
+        paths["onednn"] = PackedLinear(w, None)
+    slice_s = budget / (len(paths) * len(PEAK_ROWS))
+    out: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        for name, fn in paths.items():
+            out[name] = {}
+            for rows in PEAK_ROWS:
+                x = torch.randn(rows, k).to(dtype)
+                out[name][str(rows)] = round(2 * rows * k * n / _best_seconds(lambda: fn(x), slice_s) / 1e9, 1)
+    return out
+
+
+def _read_bandwidth(budget: float) -> float:
+    """GB/s of summing a ``BANDWIDTH_BYTES`` float32 tensor (a read stream, like weights)."""
+    x = torch.ones(BANDWIDTH_BYTES // 4)  # written once, so every page is mapped before timing
+    with torch.inference_mode():
+        return round(x.nbytes / _best_seconds(x.sum, budget) / 1e9, 2)
