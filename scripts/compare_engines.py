@@ -15,8 +15,9 @@ transformers, under ``--cache-dir``/models, with the GGUFs and OpenVINO exports 
 Precision rows (``--dtypes``): ``float32`` / ``bfloat16`` (weights and compute); ``int4``: tinyllm
 with ``--config`` (configs/fast.yaml: ``quant: gguf``, bf16 activations) and llama.cpp on one
 Q4_1 GGUF that ``llama-quantize`` makes from the shape's f32 GGUF (Q8_0 embedding, as the default
-model's own file), OpenVINO GenAI on its NNCF int4 export (asymmetric, group 128, every layer
-(ratio 1.0), bf16 compute and K/V); ``q4_1``: the default model's own file (below).
+model's own file), OpenVINO GenAI on its NNCF int4 export (asymmetric, group 128 where it
+divides the rows, else NNCF's adjusted group, every layer (ratio 1.0), bf16 compute and K/V);
+``q4_1``: the default model's own file (below).
 
 What each engine measures (every timer covers generation only unless the row says otherwise):
 
@@ -83,6 +84,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -287,8 +289,9 @@ def openvino_version(py: Path) -> str:
 def openvino_export(py: Path, hf_dir: Path, out: Path, weight_format: str, group_size: int, logfile: Path) -> Path:
     """``optimum-cli export openvino`` of an HF directory: ``fp32`` weights (the f32 and bf16 rows
     share them: the bf16 row's precision is the runtime's INFERENCE_PRECISION_HINT) or NNCF's
-    data-free ``int4`` (asymmetric, ``group_size`` columns per scale, every layer in 4 bits
-    (ratio 1.0); NNCF keeps the embedding and output layer in int8, its backup precision)."""
+    data-free ``int4`` (asymmetric, ``group_size`` columns per scale where that divides the row,
+    else the group size NNCF adjusts to, every layer in 4 bits (ratio 1.0); NNCF keeps the
+    embedding and output layer in int8, its backup precision)."""
     if (out / "openvino_model.xml").exists():
         return out
     log(f"exporting {hf_dir.name} to OpenVINO ({weight_format}; log: {logfile}) ...")
@@ -296,7 +299,9 @@ def openvino_export(py: Path, hf_dir: Path, out: Path, weight_format: str, group
     cmd = [cli, "export", "openvino", "--model", hf_dir, "--task", "text-generation-with-past",
            "--weight-format", weight_format]
     if weight_format == "int4":
-        cmd += ["--group-size", str(group_size), "--ratio", "1.0"]
+        # 135M's hidden size (576) is no multiple of 128: NNCF then picks the nearest group size
+        # that divides the row ("adjust") instead of refusing the model.
+        cmd += ["--group-size", str(group_size), "--group-size-fallback", "adjust", "--ratio", "1.0"]
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -747,6 +752,27 @@ def parse_llama_bench(text: str) -> list[dict]:
 
 LLAMACPP_WORKER = Path(__file__).resolve().parent / "compare_llamacpp_worker.py"
 
+# Whether llama.cpp may repack weights into its "extra" buffer types. On an AMX CPU a Q4_1 file's
+# weights go to its AMX buffer type, whose kernel died on a Sapphire Rapids VM (SIGILL at a
+# `tilezero` in a worker thread, or SIGSEGV in ggml_backend_amx_mul_mat, depending on the batch);
+# after one such crash every later llama.cpp process here runs
+# with repacking off (F32, BF16 and Q4_1 have no other repacked form on x86, so nothing else
+# changes), and the runs say so ("repack": false).
+LLAMACPP_REPACK = {"on": True}
+
+
+def run_llamacpp(make_cmd, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a llama.cpp process built by ``make_cmd(repack)``, once more without repacking if it
+    died of an illegal instruction or a segmentation fault (see LLAMACPP_REPACK)."""
+    def go(repack: bool):
+        return subprocess.run(make_cmd(repack), capture_output=True, text=True, timeout=timeout, env=env)
+    out = go(LLAMACPP_REPACK["on"])
+    if out.returncode in (-signal.SIGILL, -signal.SIGSEGV) and LLAMACPP_REPACK["on"]:
+        log(f"llama.cpp died of signal {-out.returncode} (its AMX path); running it without weight repacking")
+        LLAMACPP_REPACK["on"] = False
+        out = go(False)
+    return out
+
 
 def llamacpp_tokens(py: Path, bindir: Path, gguf: Path, prompts, output_len: int, work: Path) -> list[list[int]]:
     """llama.cpp's greedy tokens for the prompts (compare_llamacpp_worker.py; untimed)."""
@@ -756,7 +782,7 @@ def llamacpp_tokens(py: Path, bindir: Path, gguf: Path, prompts, output_len: int
     env = os.environ | {"PYTHONPATH": str(sdist), "LLAMA_CPP_LIB_PATH": str(bindir)}
     cmd = [str(py), str(LLAMACPP_WORKER), "--gguf", str(gguf), "--prompts", str(f), "--max-tokens", str(output_len),
            "--output", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    p = run_llamacpp(lambda repack: cmd if repack else [*cmd, "--no-repack"], 3600, env)
     if p.returncode != 0:
         raise Skip(f"llama.cpp's token check failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(out.read_text())["token_ids"]
@@ -774,14 +800,14 @@ class LlamaCppEngine:
         cmd = [str(self.bindir / "llama-batched-bench"), "-m", str(self.gguf), "-c", str(b * (pp + output_len) + 64),
                "-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(output_len), "-npl", str(b),
                "-t", str(self.threads), "-tb", str(self.threads), "--output-format", "jsonl"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        out = run_llamacpp(lambda repack: cmd if repack else [*cmd, "--no-repack"], 1800)
         rows = parse_batched_bench(out.stdout + "\n" + out.stderr)
         if out.returncode != 0 or not rows:
             tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise Skip(f"llama-batched-bench failed: {tail[0]}")
+            raise Skip(f"llama-batched-bench failed (exit status {out.returncode}): {tail[0]}")
         r = rows[0]
         return Run(r["t"], r["n_kv"], None, {"pp": r["pp"], "tg": r["tg"], "pl": r["pl"], "speed": r["speed"],
-                                             "t_pp": r["t_pp"], "t_tg": r["t_tg"]})
+                                             "t_pp": r["t_pp"], "t_tg": r["t_tg"], "repack": LLAMACPP_REPACK["on"]})
 
     def close(self) -> None:
         pass
@@ -824,11 +850,12 @@ def tinyllm_single(config: Path | None, new_tokens: int, work: Path) -> dict:
 def llamacpp_single(bindir: Path, gguf: Path, new_tokens: int) -> dict:
     cmd = [str(bindir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", "2", "-r", "1",
            "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out = run_llamacpp(lambda repack: cmd if repack else [*cmd, "--repack", "0"], 900)
     rows = parse_llama_bench(out.stdout)
     if out.returncode != 0 or not rows:
         raise Skip(f"llama-bench failed: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return {"decode_tok_s": rows[0]["avg_ts"], "build": rows[0].get("build_commit"), "type": rows[0].get("model_type")}
+    return {"decode_tok_s": rows[0]["avg_ts"], "build": rows[0].get("build_commit"), "type": rows[0].get("model_type"),
+            "repack": LLAMACPP_REPACK["on"]}
 
 
 def tinyllm_e2e(model_dir: Path, dtype: str, prompts, output_len: int, config: Path | None, work: Path) -> dict:

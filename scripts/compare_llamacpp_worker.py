@@ -6,7 +6,8 @@ layer of the llama-cpp-python sdist the tools were built from (put on ``PYTHONPA
 caller), over the ``libllama`` of that same build (``LLAMA_CPP_LIB_PATH``). Each prompt's ids are
 evaluated as given (no tokenizer, no BOS added), then exactly ``max_tokens`` tokens are taken
 greedily (temperature 0: llama.cpp's greedy sampler), EOS ignored, one prompt at a time, 2 threads,
-K/V in f16 (llama.cpp's default, as in the batched bench).
+K/V in f16 (llama.cpp's default, as in the batched bench). ``--no-repack`` turns llama.cpp's
+weight repacking off, as the caller does for its tools after an AMX crash.
 
 Reads a JSON list of token-id lists from ``--prompts``; writes ``{"token_ids": [[...], ...]}``
 to ``--output``.
@@ -27,6 +28,20 @@ def greedy(llm, prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
+def no_repack() -> None:
+    """llama-cpp-python's ``Llama`` has no repack switch; its model parameters start from
+    ``llama_model_default_params()``, so that function is wrapped to turn ``use_extra_bufts`` off
+    (as ``--no-repack`` does for llama.cpp's own tools)."""
+    import llama_cpp.llama_cpp as lib
+    defaults = lib.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+    lib.llama_model_default_params = params
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", required=True)
@@ -34,8 +49,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-repack", action="store_true", help="keep weights out of llama.cpp's extra buffer types")
     args = p.parse_args()
     from llama_cpp import Llama
+    if args.no_repack:
+        no_repack()
     with open(args.prompts) as fh:
         prompts = json.load(fh)
     n_ctx = max(map(len, prompts)) + args.max_tokens + 16
