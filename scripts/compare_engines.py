@@ -1027,16 +1027,18 @@ RESIDENT = ("tinyllm", "openvino", "vllm")
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, INT4: 1, Q4: 1}
 
 
-def keep_warm(hf_dir: Path, dtype: str, names, mem_available: int | None) -> bool:
+def keep_warm(hf_dir: Path, dtype: str, names, mem_available: int | None, kv_bytes: int = 0) -> bool:
     """Whether every engine of a row can stay loaded at once: the weights in the row's precision
-    times (resident engines + 1 transient copy) must fit in 60% of the available memory. If not
-    (the 1.5B shape in f32), each engine is started, run on every workload and closed in turn
-    inside each round: still round robin, but its start-up is paid once per round (untimed)."""
+    times (resident engines + 1 transient copy), plus each resident engine's KV pool, must fit in
+    60% of the available memory. If not (the 1.5B shape in f32 and bf16), each engine is started,
+    run on every workload and closed in turn inside each round: still round robin, but its
+    start-up is paid once per round (untimed)."""
     if mem_available is None:
         return True
     params = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors")) / 4  # written in f32
-    copies = sum(n in RESIDENT for n in names) + 1
-    return params * BYTES_PER_PARAM.get(dtype, 4) * copies < 0.6 * mem_available
+    resident = sum(n in RESIDENT for n in names)
+    need = params * BYTES_PER_PARAM.get(dtype, 4) * (resident + 1) + resident * kv_bytes
+    return need < 0.6 * mem_available
 
 
 def mem_available() -> int | None:
@@ -1063,7 +1065,7 @@ def run_batched(cmp: Comparison, ctx: dict) -> None:
         for dtype in a.dtypes:
             factories = {n: f for n, f in row_factories(cmp, ctx, shape, dtype).items()
                          if n in a.engines and n not in cmp.notes}
-            warm = keep_warm(hf_dir, dtype, factories, mem_available())
+            warm = keep_warm(hf_dir, dtype, factories, mem_available(), kv_gib(a, shape) << 30)
             run_rounds(cmp, ctx, factories, prompts, shape, dtype, warm)
             llamacpp_row_tokens(cmp, ctx, shape, dtype, prompts)
             score_row(cmp, ctx, shape, dtype, prompts)

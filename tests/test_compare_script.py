@@ -204,6 +204,9 @@ def test_keep_warm_counts_resident_copies(tmp_path):
     assert not ce.keep_warm(tmp_path, "float32", names, 16000 / 0.6 - 1)
     assert ce.keep_warm(tmp_path, "bfloat16", names, 8000 / 0.6 + 1)
     assert ce.keep_warm(tmp_path, "float32", names, None)
+    # each resident engine also holds its KV pool
+    assert not ce.keep_warm(tmp_path, "float32", names, 16000 / 0.6 + 1, kv_bytes=1)
+    assert ce.keep_warm(tmp_path, "float32", names, 16003 / 0.6 + 1, kv_bytes=1)
 
 
 def test_pad_vocab_grows_only_the_token_arrays():
