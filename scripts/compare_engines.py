@@ -946,6 +946,7 @@ class Comparison:
 
     def to_json(self) -> dict:
         return {"cpu": self.cpu, "cpu_label": cpu_label(self.cpu), "versions": self.versions,
+                "llamacpp_repack": LLAMACPP_REPACK["on"],
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
                 "skipped": self.notes,
                 "agreement_vs_transformers": {"/".join(k): v for k, v in self.agreement.items()},
@@ -1286,8 +1287,16 @@ def markdown_table(cmp: Comparison, rows: list[dict]) -> str:
         cells = [r["shape"], r["bench"], r["dtype"], r["unit"], *(_fmt(r.get(e)) for e in engines),
                  *(_fmt(r.get(c), "x") for c in ratios), *(agreement_text(r.get(f"agree {e}")) for e in agree)]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = skip_notes(cmp)
+    notes = skip_notes(cmp) + run_notes(cmp)
     return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
+
+
+def run_notes(cmp: Comparison) -> list[str]:
+    """What a reader needs to know about how the engines ran: versions, llama.cpp's repacking."""
+    out = [f"{k} {v}" for k, v in cmp.versions.items()]
+    if not LLAMACPP_REPACK["on"]:
+        out.append("llama.cpp ran with weight repacking off: its AMX path crashed on this CPU (see LLAMACPP_REPACK)")
+    return out
 
 
 def skip_notes(cmp: Comparison) -> list[str]:
@@ -1314,7 +1323,7 @@ def print_table(cmp: Comparison, rows: list[dict]) -> None:
         cells = [_fmt(row.get(e)) for e in engines] + [_fmt(row.get(c), "x") for c in ratios]
         cells += [agreement_text(row.get(f"agree {e}")) for e in agree]
         t.add_row(row["shape"], row["bench"], row["dtype"], row["unit"], *cells)
-    notes = skip_notes(cmp) + startup_notes(cmp)
+    notes = skip_notes(cmp) + startup_notes(cmp) + run_notes(cmp)[len(cmp.versions):]
     t.caption = "\n".join(notes + [caption(cmp)])
     Console(stderr=True, width=240).print(t)
 
