@@ -1066,6 +1066,8 @@ def run_batched(cmp: Comparison, ctx: dict) -> None:
         for dtype in a.dtypes:
             factories = {n: f for n, f in row_factories(cmp, ctx, shape, dtype).items()
                          if n in a.engines and n not in cmp.notes}
+            if not factories:  # q4_1 exists for the default model (135m) only
+                continue
             warm = keep_warm(hf_dir, dtype, factories, mem_available(), kv_gib(a, shape) << 30)
             run_rounds(cmp, ctx, factories, prompts, shape, dtype, warm)
             llamacpp_row_tokens(cmp, ctx, shape, dtype, prompts)
@@ -1531,7 +1533,8 @@ def prepare_models(cmp: Comparison, ctx: dict) -> None:
     """Write every model file the chosen shapes and dtypes need (--setup-only), so the measured
     run starts at once; a failure is logged and left for the run to report as a skip."""
     a = cmp.args
-    wants = {"float32": [("gguf", "float32"), ("ov_dir", "fp32")], "bfloat16": [("gguf", "bfloat16")],
+    wants = {"float32": [("gguf", "float32"), ("ov_dir", "fp32")],
+             "bfloat16": [("gguf", "bfloat16"), ("ov_dir", "fp32")],
              INT4: [("q4_gguf", None), ("ov_dir", "int4")]}
     engine_of = {"gguf": "llamacpp", "q4_gguf": "llamacpp", "ov_dir": "openvino"}
     for shape in a.shapes:
