@@ -232,3 +232,44 @@ def test_qwen2_gguf_keeps_rows_and_biases_and_loads_back(qwen2_dir, tmp_path):
     assert ck.config.arch == "qwen2" and ck.config.attention_bias
     for name, t in load_file(str(Path(qwen2_dir) / "model.safetensors")).items():
         torch.testing.assert_close(ck.weights[name].float(), t.float(), rtol=0, atol=0, msg=name)
+
+
+class _FakeEngine:
+    """Stands in for an engine: counts starts and closes, answers every run at once."""
+    log: list = []
+
+    def __init__(self, name):
+        self.name = name
+        _FakeEngine.log.append(("start", name))
+
+    def run(self, prompts, output_len):
+        _FakeEngine.log.append(("run", self.name))
+        return ce.Run(0.5, ce.total_tokens(prompts, output_len), [[1] * output_len for _ in prompts])
+
+    def close(self):
+        _FakeEngine.log.append(("close", self.name))
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_rounds_interleave_engines_and_restart_them_only_when_cold(warm):
+    cmp = _comparison()
+    cmp.args.repeat, cmp.args.settle = 2, 0
+
+    def broken():
+        raise ce.Skip("cannot start")
+    factories = {"tinyllm": lambda: _FakeEngine("tinyllm"), "openvino": lambda: _FakeEngine("openvino"),
+                 "vllm": broken}
+    ctx = {"workloads": ce.QUICK}
+    prompts = {"W1": [[5, 6, 7]] * 2, "W2": [[8, 9]] * 3}
+    _FakeEngine.log = []
+    ce.run_rounds(cmp, ctx, factories, prompts, "135m", "float32", warm)
+    starts = [e for kind, e in _FakeEngine.log if kind == "start"]
+    runs = [e for kind, e in _FakeEngine.log if kind == "run"]
+    assert starts == (["tinyllm", "openvino"] if warm else ["tinyllm", "openvino"] * 2)
+    assert runs == ["tinyllm", "tinyllm", "openvino", "openvino"] * 2  # round robin, every round
+    assert sorted(e for kind, e in _FakeEngine.log if kind == "close") == sorted(starts)
+    for bench in prompts:
+        assert cmp.cell(bench, "float32", "vllm", "tok/s", "135m").note == "cannot start"
+        c = cmp.cell(bench, "float32", "tinyllm", "tok/s", "135m")
+        assert len(c.values) == 2 and c.values[0] == pytest.approx(c.runs[0]["total_tokens"] / 0.5)
+    assert cmp.tokens[("135m", "W2", "float32", "openvino")] == [[1] * ce.QUICK["W2"].output_len] * 3
