@@ -8,8 +8,9 @@ Shapes (``--shapes``; W1/W2 rows): ``135m`` random weights in SmolLM2-135M's sha
 default and fast path); ``1.5b`` random weights in Qwen2.5-1.5B's shape (Qwen2ForCausalLM: hidden
 1536, 28 layers, 12 heads, 2 KV heads, FFN 8960, vocab 151936, tied embeddings, q/k/v bias, RoPE
 base 1e6); ``real`` SmolLM2-135M-Instruct's own weights (its Q4_1 GGUF, the only copy there is,
-dequantized to f32), where greedy tokens are decided by the model rather than near-ties, so its
-int4 rows show the accuracy cost of each engine's 4-bit path. Each is written once, by
+dequantized to f32) on prompts of natural text (windows of the repository's prompt files, the
+same lengths as the other shapes' random ids), where greedy tokens are decided by the model
+rather than near-ties, so its int4 rows show the accuracy cost of each engine's 4-bit path. Each is written once, by
 transformers, under ``--cache-dir``/models, with the GGUFs and OpenVINO exports made from it.
 
 Precision rows (``--dtypes``): ``float32`` / ``bfloat16`` (weights and compute); ``int4``: tinyllm
@@ -577,6 +578,53 @@ def make_prompts(hf_dir: Path, wl: Workload, seed: int) -> list[list[int]]:
     return random_prompts(mcfg, wl.num_prompts, wl.input_len, wl.range_ratio, seed)
 
 
+# Natural text for the ``real`` shape: random ids give even a trained model flat, near-tied logits,
+# which would make its accuracy rows measure rounding luck. These are the repository's own prompt
+# files (each distinct string once), tokenized by the default model's tokenizer.
+TEXT_SOURCES = ("prompts/questions.txt", "prompts/mixed.jsonl", "prompts/batch.jsonl", "prompts/support-chat.jsonl")
+
+
+def prompt_texts(paths) -> list[str]:
+    """Every distinct prompt string in the files, in order: lines of a .txt file, the ``prompt``
+    and each message's ``content`` of a .jsonl file."""
+    out: dict[str, None] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if not line.strip():
+                continue
+            if not str(path).endswith(".jsonl"):
+                out[line.strip()] = None
+                continue
+            rec = json.loads(line)
+            for text in [rec.get("prompt")] + [m.get("content") for m in rec.get("messages", [])]:
+                if text:
+                    out[text] = None
+    return list(out)
+
+
+def text_windows(stream: list[int], lengths: list[int], seed: int) -> list[list[int]]:
+    """One window of the token stream per length, at seeded offsets (the same every run)."""
+    import random
+    g = random.Random(seed)
+    if max(lengths) > len(stream):
+        raise Skip(f"the prompt texts hold {len(stream)} tokens, fewer than a {max(lengths)}-token prompt")
+    return [stream[o:o + n] for n in lengths for o in [g.randrange(len(stream) - n + 1)]]
+
+
+def real_prompts(hf_dir: Path, wl: Workload, seed: int) -> list[list[int]]:
+    """The ``real`` shape's prompts: the lengths `tinyllm bench` would draw, filled with windows of
+    natural text (TEXT_SOURCES) instead of random ids; same token counts as the other shapes."""
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    stream = tok("\n".join(prompt_texts(REPO / p for p in TEXT_SOURCES)), add_special_tokens=False)["input_ids"]
+    lengths = [len(p) for p in make_prompts(hf_dir, wl, seed)]
+    return text_windows(stream, lengths, seed)
+
+
+def shape_prompts(shape: str, hf_dir: Path, wl: Workload, seed: int) -> list[list[int]]:
+    return real_prompts(hf_dir, wl, seed) if shape == "real" else make_prompts(hf_dir, wl, seed)
+
+
 def total_tokens(prompts: list[list[int]], output_len: int) -> int:
     return sum(map(len, prompts)) + len(prompts) * output_len
 
@@ -1062,7 +1110,7 @@ def run_batched(cmp: Comparison, ctx: dict) -> None:
         except Skip as e:
             log(f"shape {shape}: skipped: {e}")
             continue
-        prompts = {b: make_prompts(hf_dir, ctx["workloads"][b], a.seed) for b in benches}
+        prompts = {b: shape_prompts(shape, hf_dir, ctx["workloads"][b], a.seed) for b in benches}
         for dtype in a.dtypes:
             factories = {n: f for n, f in row_factories(cmp, ctx, shape, dtype).items()
                          if n in a.engines and n not in cmp.notes}

@@ -273,3 +273,20 @@ def test_rounds_interleave_engines_and_restart_them_only_when_cold(warm):
         c = cmp.cell(bench, "float32", "tinyllm", "tok/s", "135m")
         assert len(c.values) == 2 and c.values[0] == pytest.approx(c.runs[0]["total_tokens"] / 0.5)
     assert cmp.tokens[("135m", "W2", "float32", "openvino")] == [[1] * ce.QUICK["W2"].output_len] * 3
+
+
+def test_prompt_texts_and_text_windows(tmp_path):
+    (tmp_path / "a.txt").write_text("Hello there.\n\nHello there.\nSecond line.\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "Second line."}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]}) + "\n")
+    assert ce.prompt_texts([tmp_path / "a.txt", tmp_path / "b.jsonl"]) == [
+        "Hello there.", "Second line.", "Be brief.", "Why?"]
+    stream = list(range(100))
+    wins = ce.text_windows(stream, [10, 20, 5], seed=3)
+    assert [len(w) for w in wins] == [10, 20, 5]
+    assert all(w == list(range(w[0], w[0] + len(w))) for w in wins)  # contiguous text
+    assert wins == ce.text_windows(stream, [10, 20, 5], seed=3)  # seeded: the same every run
+    with pytest.raises(ce.Skip):
+        ce.text_windows(stream, [101], seed=0)
+    for path in ce.TEXT_SOURCES:  # the real shape's sources are in the repository
+        assert (REPO / path).exists(), path
