@@ -982,8 +982,8 @@ class Comparison:
             return None
         try:
             return fn()
-        except (Skip, subprocess.TimeoutExpired, OSError) as e:
-            c.note = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 (any engine failure is a note, never the end of the comparison)
+            c.note = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {str(e)[:300]}"
             log(f"{ENGINE_NAMES.get(engine, engine)} {shape} {bench} {dtype}: skipped: {c.note}")
             return None
 
@@ -1011,7 +1011,7 @@ def open_engine(cmp: Comparison, name: str, factory, where: str = ""):
     except Skip as e:
         log(f"{ENGINE_NAMES[name]} {where}: skipped: {e}")
         return e
-    except (subprocess.TimeoutExpired, OSError, RuntimeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 (an engine that cannot start is a note, not the end)
         log(f"{ENGINE_NAMES[name]} {where}: skipped: {type(e).__name__}: {e}")
         return Skip(f"{type(e).__name__}: {str(e)[:200]}")
 
@@ -1057,7 +1057,7 @@ def llamacpp_row_tokens(cmp: Comparison, ctx: dict, shape: str, dtype: str, prom
             cmp.tokens[(shape, bench, dtype, "llamacpp")] = llamacpp_tokens(
                 ctx["llamacpp_py"](), ctx["llamacpp"](), row_gguf(ctx, shape, dtype), ps,
                 ctx["workloads"][bench].output_len, ctx["work"])
-        except (Skip, subprocess.TimeoutExpired, OSError) as e:
+        except Exception as e:  # noqa: BLE001 (the row keeps its timings without a score)
             log(f"llama.cpp {shape} {bench} {dtype}: no agreement: {e}")
 
 
@@ -1107,10 +1107,11 @@ def run_batched(cmp: Comparison, ctx: dict) -> None:
     for shape in a.shapes:
         try:
             hf_dir = ctx["hf_dir"](shape)
-        except Skip as e:
-            log(f"shape {shape}: skipped: {e}")
+            prompts = {b: shape_prompts(shape, hf_dir, ctx["workloads"][b], a.seed) for b in benches}
+        except Exception as e:  # noqa: BLE001 (the other shapes still run)
+            log(f"shape {shape}: skipped: {type(e).__name__}: {e}")
+            cmp.notes[f"shape {shape}"] = str(e)
             continue
-        prompts = {b: shape_prompts(shape, hf_dir, ctx["workloads"][b], a.seed) for b in benches}
         for dtype in a.dtypes:
             factories = {n: f for n, f in row_factories(cmp, ctx, shape, dtype).items()
                          if n in a.engines and n not in cmp.notes}
@@ -1224,7 +1225,7 @@ def reference_tokens(cmp: Comparison, ctx: dict, shape: str, bench: str, dtype: 
             log(f"transformers {ref_dtype} reference for {shape} {bench} (untimed) ...")
             run = HFEngine(ctx["hf_dir"](shape), ref_dtype).run(prompts, ctx["workloads"][bench].output_len)
             cmp.tokens[key] = [list(t) for t in run.token_ids]
-        except (Skip, RuntimeError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 (the row keeps its timings without a score)
             log(f"no transformers reference for {shape} {bench} {dtype}: {e}")
             return None
     return cmp.tokens[key]
@@ -1351,7 +1352,7 @@ def run_notes(cmp: Comparison) -> list[str]:
 
 def skip_notes(cmp: Comparison) -> list[str]:
     """Why each engine or cell was skipped, once per distinct reason."""
-    out = [f"{ENGINE_NAMES[e]} skipped: {n}" for e, n in cmp.notes.items()]
+    out = [f"{ENGINE_NAMES.get(e, e)} skipped: {n}" for e, n in cmp.notes.items()]
     seen = set()
     for c in cmp.cells.values():
         if c.note and (c.engine, c.note) not in seen:
