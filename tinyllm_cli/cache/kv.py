@@ -30,6 +30,11 @@ Invariants (checked by the property tests):
   (``block_keys``), so a key names one whole prefix of one model; and since a digest is only a
   name, a hit is also checked against the stored tokens and parent entry, so not even a key
   collision can hand one prompt's K/V to another.
+- Speculative decoding: a sequence grows past its length for its draft tokens only into room
+  that ``draft_room`` found free (never by preempting), and ``truncate`` rolls it back to the
+  accepted tokens after the step, freeing the blocks past them; so between steps the table
+  invariants above hold as if it had decoded one token at a time. Registered (prefix-cache)
+  blocks only ever hold accepted tokens, and ``truncate`` refuses to cut one.
 """
 
 from __future__ import annotations
