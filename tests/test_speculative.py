@@ -81,11 +81,20 @@ def pool_empty(cache):
     assert all(r == 0 for r in cache.pool.ref)
 
 
+def cache_maker(model, kind: str, slots: int = 8):
+    """paged / slot with the default attention path (the CPU kernel here), paged-gather with
+    PyTorch's (the path on a GPU): verify chunks go through both."""
+    if kind == "slot":
+        return lambda: SlotKVCache(model.cfg, slots, 200, torch.float32, "cpu")
+    attention = "gather" if kind == "paged-gather" else "auto"
+    return lambda: PagedKVCache(model.cfg, 256, 4, torch.float32, "cpu", prefix_caching=True, attention=attention)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft-same", "draft-other"])
-@pytest.mark.parametrize("kind", ["paged", "slot"])
+@pytest.mark.parametrize("kind", ["paged", "slot", "paged-gather"])
 def test_greedy_output_equals_plain_decoding(tiny_model, draft_model, method, kind):
     reqs = grounded_requests()
-    make = (lambda: paged(tiny_model)) if kind == "paged" else (lambda: SlotKVCache(tiny_model.cfg, 8, 200, torch.float32, "cpu"))
+    make = cache_maker(tiny_model, kind)
     plain, plain_eng = run(tiny_model, make(), reqs)
     spec = {"ngram": ngram(), "draft-same": drafted(tiny_model), "draft-other": drafted(draft_model)}[method]
     outs, eng = run(tiny_model, make(), reqs, spec)
@@ -98,7 +107,7 @@ def test_greedy_output_equals_plain_decoding(tiny_model, draft_model, method, ki
         assert eng.stats.totals.steps < plain_eng.stats.totals.steps / 2
     else:
         assert st_["spec_acceptance_rate"] < 1.0  # rejections happened, and were rolled back
-    if kind == "paged":
+    if kind != "slot":
         pool_empty(eng.cache)
 
 
@@ -147,14 +156,14 @@ def test_n_groups_and_sampled_requests_are_unaffected(tiny_model, kind):
     reqs += grounded_requests(count=2, rng_seed=8, n=2, temperature=1.0, seed=3)
     for i, r in enumerate(reqs):
         r.index, r.id = i, str(i)
-    make = (lambda: paged(tiny_model)) if kind == "paged" else (lambda: SlotKVCache(tiny_model.cfg, 16, 200, torch.float32, "cpu"))
+    make = cache_maker(tiny_model, kind, slots=16)
     plain, _ = run(tiny_model, make(), reqs)
     outs, eng = run(tiny_model, make(), reqs, ngram())
     assert ids(outs) == ids(plain)
     assert [o.logprobs for o in outs] == [o.logprobs for o in plain]
     assert eng.stats.spec_accepted_tokens > 0
     assert all(len(o.completions) == o.n for o in outs)
-    if kind == "paged":
+    if kind != "slot":
         pool_empty(eng.cache)
 
 
