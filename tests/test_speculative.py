@@ -272,6 +272,8 @@ def test_llm_front_door_ngram_and_draft(llama_dir, qwen2_dir):
         assert llm.stats.spec_acceptance_rate == 1.0
         with pytest.raises(UsageError, match="does not share the tokenizer"):
             llm.reconfigure(speculative="draft", draft_model=str(qwen2_dir))
+        with pytest.raises(UsageError, match="speculative.draft_model: model .* not found"):
+            llm.reconfigure(speculative="draft", draft_model=str(qwen2_dir / "nothing-here"))
 
 
 def test_cluster_merge_sums_the_speculative_counters():

@@ -220,7 +220,10 @@ def make_speculation(cfg: Config, rt: Runtime, cache: PagedKVCache) -> Speculati
 def load_draft(spec: str, rt: Runtime, quant: str) -> LlamaModel:
     """The draft model (loaded once per runtime), refused unless it shares the target's tokenizer."""
     if spec not in rt.drafts:
-        ck = load_checkpoint(spec, False, quant, dtype=rt.dtype)
+        try:
+            ck = load_checkpoint(spec, False, quant, dtype=rt.dtype)
+        except UsageError as e:  # name which of the two models it is about
+            raise UsageError(f"speculative.draft_model: {e}") from None
         check_draft_vocab(ck, rt)
         try:
             rt.drafts[spec] = build_model(ck.config, ck.weights, rt.dtype, str(rt.device), rt.gemm)

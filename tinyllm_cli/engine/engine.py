@@ -42,9 +42,9 @@ from ..model.tokenizer import Tokenizer
 from ..transfer import to_device
 from . import constraints, sampler
 from .contract import Engine
-from .speculative import Speculation, accepted_prefix, can_speculate
 from .request import Completion, Group, Request, RequestOutput, Sequence, Status, fork_seed, request_seed
 from .scheduler import Plan, Scheduler
+from .speculative import Speculation, accepted_prefix, can_speculate
 from .stats import RunStats, StepRecord
 
 

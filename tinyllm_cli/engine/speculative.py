@@ -128,10 +128,10 @@ class ModelDrafter:
         steps = self._draft([seqs[i] for i in live], [caps[i] for i in live])
         flat = torch.cat(steps).tolist()  # the one host sync
         at = 0
-        for j, t in enumerate(steps):
-            for r in range(t.shape[0]):
+        for step in steps:  # step j holds draft j of the first len(step) sequences of ``live``
+            for r in range(step.shape[0]):
                 out[live[r]].append(flat[at + r])
-            at += t.shape[0]
+            at += step.shape[0]
         for i in live:  # keep only accepted tokens' K/V: the drafts are rolled back
             self.cache.truncate(seqs[i].seq_id, seqs[i].num_tokens)
         return out
