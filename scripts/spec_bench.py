@@ -3,9 +3,12 @@
 For each workload (summarize, rewrite, extract, code edit: the prompts are below, wrapped in the
 chat template as ``generate`` does) and each method, runs the prompt greedily without and with
 speculation, interleaved A/B, ``--runs`` times each, and prints a markdown table on stdout:
-workload, method, acceptance rate, decode tok/s without and with (medians), speed-up, and
-whether every run's output tokens were the same. Decode tok/s is 1 / TPOT (time after the first
-token over the tokens after it), so prefill is left out.
+workload, method, acceptance rate, tokens per verification, engine steps without and with,
+decode tok/s without and with (medians), speed-up, and whether every run's output tokens were
+the same. Decode tok/s is 1 / TPOT (time after the first token over the tokens after it), so
+prefill is left out. The step counts do not depend on the machine's load: on a busy machine
+their ratio is the steadier figure (a verify step costs about one decode step when the forward
+is bound by reading the weights).
 
     python scripts/spec_bench.py                           # default model, float32, ngram
     python scripts/spec_bench.py --config configs/fast.yaml  # the 4-bit fast settings
@@ -70,17 +73,21 @@ def parse_args(argv=None):
 def measure(llm: LLM, prompt: str, params: SamplingParams, spec: dict, runs: int) -> dict:
     """Interleaved A/B: plain then speculative, ``runs`` times; medians and the outputs seen."""
     tps = {"plain": [], "spec": []}
-    outs, acc = set(), []
+    steps = {}
+    outs, acc, per_verify = set(), [], []
     for _ in range(runs):
         for side, settings in (("plain", {"speculative": "none"}), ("spec", spec)):
             llm.reconfigure(**settings)  # a fresh pool each run: no prefix-cache hits carried over
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             tps[side].append(1 / out.tpot_s if out.tpot_s else 0.0)
             outs.add(tuple(out.token_ids))
+            steps[side] = llm.stats.steps
             if side == "spec":
                 acc.append(llm.stats.spec_acceptance_rate)
+                per_verify.append(llm.stats.spec_tokens_per_verify)
     plain, with_ = statistics.median(tps["plain"]), statistics.median(tps["spec"])
-    return {"acceptance": statistics.median(acc), "plain": plain, "spec": with_,
+    return {"acceptance": statistics.median(acc), "per_verify": statistics.median(per_verify),
+            "steps": (steps["plain"], steps["spec"]), "plain": plain, "spec": with_,
             "speedup": with_ / plain if plain else 0.0, "same": len(outs) == 1}
 
 
@@ -115,11 +122,12 @@ def main(argv=None) -> None:
         return
     print(f"One prompt at a time, greedy, {a.max_new_tokens} new tokens max, k = {a.num_tokens}, "
           f"median of {a.runs} interleaved runs; {what}.\n")
-    print("| workload | method | acceptance | decode tok/s without | with | speed-up | same output |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| workload | method | acceptance | tok / verify | steps without / with | decode tok/s without | with "
+          "| speed-up | same output |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, method, r in rows:
-        print(f"| {name} | {method} | {r['acceptance']:.0%} | {r['plain']:.1f} | {r['spec']:.1f} | "
-              f"{r['speedup']:.2f}x | {'yes' if r['same'] else 'NO'} |")
+        print(f"| {name} | {method} | {r['acceptance']:.0%} | {r['per_verify']:.2f} | {r['steps'][0]} / {r['steps'][1]} "
+              f"| {r['plain']:.1f} | {r['spec']:.1f} | {r['speedup']:.2f}x | {'yes' if r['same'] else 'NO'} |")
 
 
 if __name__ == "__main__":
