@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tinyllm_cli.cache.allocator import BlockAllocator, BlockError
-from tinyllm_cli.cache.kv import PagedKVCache, SlotKVCache
+from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
 from tinyllm_cli.engine.request import Request, SamplingParams, Sequence, Status
 from tinyllm_cli.engine.scheduler import Scheduler
 from tinyllm_cli.model.llama import ModelConfig
@@ -50,9 +50,10 @@ def test_allocator_never_hands_out_a_block_twice(ops):
         assert set(a.free_list()).isdisjoint(held)
 
 
-def check_invariants(cache: PagedKVCache, sched: Scheduler) -> None:
+def check_invariants(cache: PagedKVCache, sched: Scheduler, shared_ok: bool = False) -> None:
+    """``shared_ok``: prefix caching may put one block in several tables (counted by its refs)."""
     owned = [b for t in cache.tables.values() for b in t]
-    assert len(owned) == len(set(owned)), "a block is in two tables"
+    assert shared_ok or len(owned) == len(set(owned)), "a block is in two tables"
     evictable = set(cache.pool.evictable)
     assert evictable.isdisjoint(owned) and set(owned) | evictable == cache.allocator._used
     for b in range(cache.num_blocks):  # a block is referenced exactly by the tables holding it
@@ -142,3 +143,81 @@ def test_preemption_picks_newest():
     assert [s.seq_id for s in sched.waiting] == [2, 3]  # requeued at the front, ahead of 3
     assert [s.seq_id for s in plan.decode] == [0, 1] and not plan.prefill  # no admission while preempting
     assert sched.waiting[0].lost_tokens == 4 and sched.waiting[0].num_cached == 0  # counted on re-admission
+
+
+# ---- the block pool under drafts and rejections --------------------------------------------------
+
+def speculative_simulation(cache, reqs, max_num_seqs, budget, draws, k):
+    """Drive scheduler + cache as the engine does, with random drafts and random acceptance,
+    checking the pool after every step."""
+    sched = Scheduler(cache, max_num_seqs, budget)
+    for i, (plen, new) in enumerate(reqs):
+        r = Request(str(i), [(i * 7 + j) % 5 for j in range(plen)], SamplingParams(max_new_tokens=new))
+        sched.add(Sequence(i, r, 0, list(r.prompt_token_ids), plen))
+    draws, steps, done = iter(draws), 0, 0
+    while sched.has_work():
+        steps += 1
+        assert steps < 5000
+        plan = sched.schedule()
+        done += len(plan.failed)
+        wants = [(s, min(k, s.request.params.max_new_tokens - s.num_output - 1)) for s in plan.decode]
+        caps = sched.draft_room(plan, wants)
+        sched.speculate(plan, [(s, [1] * c) for (s, _), c in zip(wants, caps) if c > 0])
+        for s, d in plan.verify:  # the granted room is really there, no preemption needed
+            assert len(cache.tables[s.seq_id]) * cache.block_size >= s.num_tokens + len(d)
+        cache.plan_step([s.seq_id for s in plan.decode],
+                        [(s.seq_id, a, n) for s, a, n in plan.prefill] +
+                        [(s.seq_id, s.num_tokens - 1, 1 + len(d)) for s, d in plan.verify])
+        for s in plan.decode:
+            s.num_cached += 1
+        for s, a, n in plan.prefill:
+            s.num_cached = a + n
+        emits = [(s, 1) for s in plan.decode] + [(s, 1) for s, a, n in plan.prefill if a + n == s.num_tokens]
+        for s, d in plan.verify:
+            a = next(draws, 0) % (len(d) + 1)  # a random number of drafts accepted
+            s.num_cached = s.num_tokens + a
+            cache.truncate(s.seq_id, s.num_cached)
+            emits.append((s, a + 1))
+        for s, m in emits:
+            s.tokens += [(s.num_tokens + j) % 5 for j in range(m)]
+            s.status = Status.DECODE
+            if s.num_output >= s.request.params.max_new_tokens or next(draws, 0) % 7 == 0:
+                sched.finish(s)
+                done += 1
+        check_invariants(cache, sched, shared_ok=cache.prefix_caching)
+        for s in sched.running:  # a registered block only ever holds accepted tokens
+            assert len(cache.chains[s.seq_id]) * cache.block_size <= s.num_tokens
+    assert done == len(reqs)
+    assert cache.pool.num_active == 0 and all(r == 0 for r in cache.pool.ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 4, 8]), extra_blocks=st.integers(0, 12), prefix=st.booleans(),
+       reqs=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 16)), min_size=1, max_size=8),
+       max_num_seqs=st.integers(1, 6), budget=st.integers(1, 40), k=st.integers(1, 6),
+       draws=st.lists(st.integers(0, 100), max_size=300))
+def test_paged_pool_invariants_hold_with_drafts_and_rejections(block_size, extra_blocks, prefix, reqs, max_num_seqs,
+                                                              budget, k, draws):
+    longest = max(p + n for p, n in reqs)
+    cache = PagedKVCache(CFG, -(-longest // block_size) + extra_blocks, block_size, torch.float32, "cpu",
+                         prefix_caching=prefix)
+    speculative_simulation(cache, reqs, max_num_seqs, budget, draws, k)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n_slots=st.integers(1, 4), reqs=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12)), min_size=1, max_size=6),
+       k=st.integers(1, 6), draws=st.lists(st.integers(0, 100), max_size=200))
+def test_slot_pool_invariants_hold_with_drafts_and_rejections(n_slots, reqs, k, draws):
+    speculative_simulation(SlotKVCache(CFG, n_slots, 40, torch.float32, "cpu"), reqs, 8, 64, draws, k)
+
+
+def test_truncate_refuses_to_cut_a_registered_block():
+    cache = PagedKVCache(CFG, 8, 2, torch.float32, "cpu", prefix_caching=True)
+    cache.try_admit(0, [1, 2, 3, 4, 5])
+    cache.commit(0, [1, 2, 3, 4, 5], 5)  # blocks 0 and 1 registered (positions 0..3)
+    cache.advance([], [(0, 0, 5)])
+
+    with pytest.raises(CacheError, match="registered block"):
+        cache.truncate(0, 3)
+    cache.truncate(0, 4)
+    assert len(cache.tables[0]) == 2 and cache.pool.num_active == 2

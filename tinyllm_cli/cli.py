@@ -88,6 +88,11 @@ SHARED: dict[str, tuple[object, object]] = {
     "max_attempts": (Annotated[Optional[int], typer.Option("--max-attempts", help="Ray workers: failures of a request (alone on a worker) before it is answered with an error.")], None),
     "max_restarts": (Annotated[Optional[int], typer.Option("--max-restarts", help="Ray workers: dead workers replaced by new ones, at most.")], None),
     "insecure": (Annotated[Optional[bool], typer.Option("--ray-insecure/--ray-secure", help="Join a remote Ray cluster without token authentication (off by default).")], None),
+    "speculative": (Annotated[Optional[str], typer.Option("--speculative", help="Speculative decoding of greedy requests: none, ngram (prompt lookup, no second model) or draft (--draft-model drafts).")], None),
+    "num_speculative_tokens": (Annotated[Optional[int], typer.Option("--num-speculative-tokens", help="Draft tokens verified per sequence per step, at most (1-16; default 4).")], None),
+    "prompt_lookup_min": (Annotated[Optional[int], typer.Option("--prompt-lookup-min", help="ngram: shortest n-gram of the latest tokens looked up in the earlier ones (default 1).")], None),
+    "prompt_lookup_max": (Annotated[Optional[int], typer.Option("--prompt-lookup-max", help="ngram: longest n-gram, tried first (default 3).")], None),
+    "draft_model": (Annotated[Optional[str], typer.Option("--draft-model", help="draft: a smaller model with the same tokenizer ('default', a .gguf file, a directory or a Hub id).")], None),
     "quiet": (Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")], False),
     "debug": (Annotated[bool, typer.Option("--debug", help="Show tracebacks.")], False),
     "stats_json": (Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")], None),
@@ -100,6 +105,7 @@ GROUPS = {
     "SAMPLING": ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                  "ignore_eos", "n", "logprobs", "prompt_logprobs", "json_schema", "json_object", "regex", "choice",
                  "grammar"),
+    "SPECULATIVE": ("speculative", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_model"),
     "CLUSTER": ("workers", "ray_address", "worker_cpus", "worker_gpus", "max_attempts", "max_restarts", "insecure"),
     "RUN": ("quiet", "debug", "stats_json"),
 }
@@ -175,7 +181,7 @@ def shared(*names: str):
 # ---- generate ------------------------------------------------------------------------------
 
 @app.command()
-@shared("MODEL", "CACHE", "SCHEDULER", "SAMPLING", "CLUSTER", "RUN")
+@shared("MODEL", "CACHE", "SCHEDULER", "SAMPLING", "SPECULATIVE", "CLUSTER", "RUN")
 def generate(
     prompts: Annotated[str, typer.Option("--prompts", "-p", help="Prompts: .txt (one per line), .jsonl, or - for stdin (lines up to 16 MiB; a longer one is that request's error).")],
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="JSONL results file (default stdout).")] = None,
@@ -195,7 +201,7 @@ def generate(
 # ---- serve-batch ---------------------------------------------------------------------------
 
 @app.command("serve-batch")
-@shared("MODEL", "CACHE", "SCHEDULER", "SAMPLING", "CLUSTER", "RUN")
+@shared("MODEL", "CACHE", "SCHEDULER", "SAMPLING", "SPECULATIVE", "CLUSTER", "RUN")
 def serve_batch(
     input: Annotated[str, typer.Option("--input", "-i", help="OpenAI Batch API JSONL, or - for stdin (lines up to 16 MiB; a longer one is answered with an error line).")] = "-",
     output: Annotated[str, typer.Option("--output", "-o", help="Results JSONL, or - for stdout.")] = "-",
@@ -221,7 +227,7 @@ def serve_batch(
 # ---- bench ---------------------------------------------------------------------------------
 
 @app.command()
-@shared("MODEL", "num_blocks", "kv_memory", "max_model_len", "SCHEDULER", "ray_address", "worker_cpus",
+@shared("MODEL", "num_blocks", "kv_memory", "max_model_len", "SCHEDULER", "SPECULATIVE", "ray_address", "worker_cpus",
         "worker_gpus", "max_attempts", "max_restarts", "insecure", "quiet", "debug", "plot", *STRUCTURED)
 def bench(
     block_sizes: Annotated[Optional[str], typer.Option("--block-size", help="Comma list, e.g. 8,16,32.")] = None,

@@ -43,7 +43,7 @@ from .config import Config
 from .engine.contract import Engine
 from .engine.dispatch import least_loaded
 from .engine.request import Request, RequestOutput, request_seed
-from .engine.stats import RunStats
+from .engine.stats import SPEC_COUNTS, RunStats, spec_summary
 from .errors import TinyLLMError, UsageError
 from .runtime import Placement, Runtime, make_engine, runtime_from_checkpoint
 
@@ -551,6 +551,7 @@ def merge_worker_summaries(sums: list[dict], elapsed: float) -> dict:
         # Wall time of all workers together that was not a forward pass (dispatch, transfers, idling).
         "engine_overhead_frac": round(max(0.0, 1 - forward / max(elapsed * len(sums), 1e-9)), 4),
         **{k: round(sum(x.get(k, 0) for x in sums), 4) for k in GRAMMAR_KEYS},
+        **spec_summary(first.get("spec_method", "none"), *(sum(x.get(k, 0) for x in sums) for k in SPEC_COUNTS)),
     }
 
 

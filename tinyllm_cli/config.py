@@ -55,6 +55,19 @@ class ParallelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """The ``speculative`` section: draft tokens verified in one forward (``engine/speculative.py``)."""
+    method: str = "none"  # none, ngram (prompt lookup: no second model) or draft (draft_model drafts)
+    num_tokens: int = 4  # draft tokens per sequence per step, at most
+    prompt_lookup_min: int = 1  # ngram: shortest n-gram of the latest tokens looked up in the earlier ones
+    prompt_lookup_max: int = 3  # ngram: longest (tried first)
+    draft_model: str | None = None  # draft: a smaller model with the same tokenizer, given like ``model``
+
+
+SPEC_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass
 class SamplingConfig(SamplingParams):
     """The ``sampling`` section: the defaults every request starts from (the same fields as a
     request's own sampling parameters, which override them per request)."""
@@ -86,10 +99,11 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "sampling": SamplingConfig,
-            "parallel": ParallelConfig}
+            "parallel": ParallelConfig, "speculative": SpeculativeConfig}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GEMMS = ("auto", "onednn", "torch")  # see model/gemm.py
 QUANTS = ("none", "gguf")  # see model/quant.py
@@ -311,6 +325,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
     except (ValueError, OverflowError):  # nan / inf get past parse_bytes' own check
         raise UsageError(f"cache.kv_memory{at('cache.kv_memory', '')}: cannot read {c.kv_memory!r} as a "
                          f"memory size (examples: 512MiB, 2GiB, 1000000)")
+    _validate_speculative(cfg.speculative, at)
     try:
         cfg.sampling.params()
     except ValueError as e:
@@ -319,9 +334,29 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         raise UsageError(f"config key {dotted!r}{at(dotted, '')}: {e}")
 
 
+def _validate_speculative(sp: SpeculativeConfig, at) -> None:
+    if sp.method not in SPEC_METHODS:
+        raise UsageError(f"speculative.method{at('speculative.method', '')} must be one of {', '.join(SPEC_METHODS)}, "
+                         f"not {sp.method!r}")
+    if not 1 <= sp.num_tokens <= MAX_SPEC_TOKENS:
+        raise UsageError(f"speculative.num_tokens{at('speculative.num_tokens', '')} must be an integer from 1 to "
+                         f"{MAX_SPEC_TOKENS}, not {sp.num_tokens}")
+    if not 1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max:
+        raise UsageError(f"speculative.prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, not "
+                         f"{sp.prompt_lookup_min} and {sp.prompt_lookup_max}")
+    if sp.method == "draft" and not sp.draft_model:
+        raise UsageError(f"speculative.method{at('speculative.method', '')} 'draft' needs speculative.draft_model "
+                         f"(--draft-model PATH): the smaller model that drafts, with the same tokenizer")
+
+
+MAX_SPEC_TOKENS = 16  # a longer draft is almost never all accepted, and its rows cost every step
+
+
 # Flat names (command-line flags, ``LLM(...)`` keywords) -> dotted keys: every key by its own
-# name, plus the two whose flag is named differently.
-FLAT_ALIASES = {"cache": "cache.kind", "prefix_cache": "cache.prefix_caching"}
+# name, plus those whose flag is named differently (``--speculative ngram``, vLLM's
+# ``num_speculative_tokens``).
+FLAT_ALIASES = {"cache": "cache.kind", "prefix_cache": "cache.prefix_caching", "speculative": "speculative.method",
+                "num_speculative_tokens": "speculative.num_tokens"}
 
 
 def flat_keys() -> dict[str, str]:

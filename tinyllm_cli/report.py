@@ -58,6 +58,11 @@ def run_table(s: dict, title: str = "run") -> Table:
             f"{s['constrained_tokens']} masked tok; grammar {s['grammar_s']:.2f} s "
             f"({s['grammar_s'] / max(s['elapsed_s'], 1e-9):.1%} of wall, {s['grammar_wait_s']:.2f} s not overlapped); "
             f"compile {s['grammar_compile_s']:.2f} s, {s['grammar_cache_hits']} cache hits")))
+    if s.get("spec_method", "none") != "none":  # only runs that speculate: other tables keep their rows
+        rows.insert(-1, ("speculative decoding", (
+            f"{s['spec_method']}: {s['spec_accepted_tokens']} of {s['spec_drafted_tokens']} draft tok accepted "
+            f"({s['spec_acceptance_rate']:.1%}), {s['spec_tokens_per_verify']:.2f} tok per verify "
+            f"({s['spec_verifications']} verifies), drafting {s['spec_draft_s']:.2f} s")))
     for name, v in rows:
         t.add_row(name, v)
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("latency_s", "latency")):

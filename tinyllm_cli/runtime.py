@@ -12,13 +12,14 @@ builds one per sweep point, all at the same KV budget).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .cache.kv import CacheError, PagedKVCache, SlotKVCache, available_memory, parse_bytes, prefix_salt, token_bytes
 from .config import Config
 from .engine.engine import LLMEngine
+from .engine.speculative import ModelDrafter, NgramDrafter, Speculation
 from .errors import TinyLLMError, UsageError
 from .model.checkpoint import Checkpoint, load_checkpoint
 from .model.gemm import resolve_gemm
@@ -87,6 +88,7 @@ class Runtime:
     load_s: float
     model: LlamaModel | None = None  # None on a cluster's driver: the workers hold the models
     workers: int = 1  # engines serving the run (Ray workers, or 1 in-process)
+    drafts: dict = field(default_factory=dict)  # draft models by spec, loaded once (speculative: draft)
 
     def facts(self) -> dict:
         """What ran, for stats files and bench rows (the same keys in-process and on a cluster)."""
@@ -192,4 +194,51 @@ def make_engine(cfg: Config, rt: Runtime) -> LLMEngine:
     return LLMEngine(rt.model, cache, rt.tokenizer, max_num_seqs=cfg.scheduler.max_num_seqs,
                      max_prefill_tokens=cfg.scheduler.max_prefill_tokens,
                      max_model_len=cfg.cache.max_model_len,
-                     eos_ids=rt.tokenizer.eos_ids if rt.tokenizer else None, seed=cfg.sampling.run_seed)
+                     eos_ids=rt.tokenizer.eos_ids if rt.tokenizer else None, seed=cfg.sampling.run_seed,
+                     speculation=make_speculation(cfg, rt, cache))
+
+
+def make_speculation(cfg: Config, rt: Runtime, cache: PagedKVCache) -> Speculation | None:
+    """The engine's drafter, or None when ``speculative.method`` is none (the plain step)."""
+    sp = cfg.speculative
+    if sp.method == "none":
+        return None
+    if sp.method == "ngram":
+        return Speculation("ngram", sp.num_tokens, NgramDrafter(sp.prompt_lookup_min, sp.prompt_lookup_max))
+    draft = load_draft(sp.draft_model, rt, cfg.quant)
+    # The draft cache holds as many tokens as the target's pool, in the draft model's (smaller) K/V.
+    tokens = cache.num_blocks * cache.block_size
+    block = cache.block_size if cache.kind == "paged" else 16
+    try:
+        dcache = PagedKVCache(draft.cfg, max(1, tokens // block), block, rt.dtype, rt.device,
+                              attention=cfg.cache.attention)
+    except CacheError as e:
+        raise UsageError(f"the draft model's KV cache cannot be built: {e}")
+    return Speculation("draft", sp.num_tokens, ModelDrafter(draft, dcache))
+
+
+def load_draft(spec: str, rt: Runtime, quant: str) -> LlamaModel:
+    """The draft model (loaded once per runtime), refused unless it shares the target's tokenizer."""
+    if spec not in rt.drafts:
+        try:
+            ck = load_checkpoint(spec, False, quant, dtype=rt.dtype)
+        except UsageError as e:  # name which of the two models it is about
+            raise UsageError(f"speculative.draft_model: {e}") from None
+        check_draft_vocab(ck, rt)
+        try:
+            rt.drafts[spec] = build_model(ck.config, ck.weights, rt.dtype, str(rt.device), rt.gemm)
+        except ValueError as e:
+            raise TinyLLMError(f"cannot build the draft model from {ck.source}: {e}")
+    return rt.drafts[spec]
+
+
+def check_draft_vocab(ck: Checkpoint, rt: Runtime) -> None:
+    """Draft ids are fed to the target as they are: the two must number tokens the same way."""
+    same = ck.config.vocab_size <= rt.model_cfg.vocab_size
+    if same and ck.tokenizer is not None and rt.tokenizer is not None:
+        same = ck.tokenizer.tok.get_vocab(with_added_tokens=True) == rt.tokenizer.tok.get_vocab(with_added_tokens=True)
+    elif same:
+        same = ck.config.vocab_size == rt.model_cfg.vocab_size and (ck.tokenizer is None) == (rt.tokenizer is None)
+    if not same:
+        raise UsageError(f"the draft model {ck.name!r} does not share the tokenizer of {rt.model_name!r} (speculative "
+                         f"decoding feeds draft token ids to the target as they are); pick a draft model of the same family")

@@ -30,6 +30,11 @@ Invariants (checked by the property tests):
   (``block_keys``), so a key names one whole prefix of one model; and since a digest is only a
   name, a hit is also checked against the stored tokens and parent entry, so not even a key
   collision can hand one prompt's K/V to another.
+- Speculative decoding: a sequence grows past its length for its draft tokens only into room
+  that ``draft_room`` found free (never by preempting), and ``truncate`` rolls it back to the
+  accepted tokens after the step, freeing the blocks past them; so between steps the table
+  invariants above hold as if it had decoded one token at a time. Registered (prefix-cache)
+  blocks only ever hold accepted tokens, and ``truncate`` refuses to cut one.
 """
 
 from __future__ import annotations
@@ -361,6 +366,34 @@ class PagedKVCache:
             self.grow(s, n)
         return preempted
 
+    # ---- speculative decoding: room for draft tokens, and the rollback of rejected ones --------
+
+    def draft_room(self, needs: list[tuple[int, int, int]]) -> list[int]:
+        """For each ``(seq_id, n_tokens, want)`` in turn: how many positions past ``n_tokens`` (at
+        most ``want``) the sequence can also hold with its own blocks and the blocks still free
+        after the sequences before it took theirs. A check only: ``grow`` takes them. Growth for
+        drafts never preempts anyone (a draft is an optimisation, not progress)."""
+        free, out, bs = self.pool.num_free, [], self.block_size
+        for s, n, want in needs:
+            k = max(0, min(want, (len(self.tables[s]) + free) * bs - n))
+            free -= self.blocks_to_grow(s, n + k)
+            out.append(k)
+        return out
+
+    def truncate(self, seq_id: int, n_tokens: int) -> None:
+        """Roll ``seq_id`` back to its first ``n_tokens`` stored positions (draft tokens that were
+        rejected): its length drops and the blocks past them go back to the pool. Those blocks
+        are private and unregistered: ``commit`` only ever covers accepted tokens, and a draft
+        block was freshly allocated (a sequence's shared blocks all lie below its length)."""
+        table = self.tables[seq_id]
+        if len(self.chains[seq_id]) * self.block_size > n_tokens:
+            raise CacheError(f"sequence {seq_id} cannot roll back to {n_tokens} tokens: a registered block lies past them")
+        keep = self.blocks_for(n_tokens)
+        if len(table) > keep:
+            self.pool.release(table[keep:][::-1])
+            del table[keep:]
+        self.lens[seq_id] = n_tokens
+
     # ---- the step ------------------------------------------------------------------------
 
     def slots(self, seq_id: int, start: int, n: int) -> list[int]:
@@ -473,4 +506,8 @@ class SlotKVCache(PagedKVCache):
 
     def fits_alone(self, n_tokens: int, forks: int = 0) -> bool:
         return n_tokens <= self.max_len and 1 + forks <= self.num_blocks
+
+    def draft_room(self, needs: list[tuple[int, int, int]]) -> list[int]:
+        # A slot never grows: drafts fit in what is left of the sequence's own reservation.
+        return [max(0, min(want, self.max_len - n)) for _, n, want in needs]
 

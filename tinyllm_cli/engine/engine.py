@@ -18,6 +18,13 @@ Invariants:
   fork) holds its own grammar state; the step's constrained rows get their masks in one packed
   bitmask, filled while the forward pass runs (the states only depend on tokens already
   accepted) and applied to the logits in one pass before sampling. Unconstrained steps skip it.
+- Speculative decoding (``speculative``, off unless an engine is given a ``Speculation``): after
+  scheduling, the drafter proposes tokens for the greedy decoding sequences, within the room
+  the scheduler grants; each such sequence's last token and drafts are one chunk of the same
+  packed forward, and the argmax at all of its rows comes back in the step's one readback. The
+  accepted drafts and the next token are appended one by one with the usual stop checks; the
+  cache then rolls back to the stored tokens that were accepted (``truncate``). With
+  speculation off the step is what it was: no drafting, no verify rows.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from . import constraints, sampler
 from .contract import Engine
 from .request import Completion, Group, Request, RequestOutput, Sequence, Status, fork_seed, request_seed
 from .scheduler import Plan, Scheduler
+from .speculative import Speculation, accepted_prefix, can_speculate
 from .stats import RunStats, StepRecord
 
 
@@ -54,7 +62,7 @@ class LLMEngine(Engine):
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, tokenizer: Tokenizer | None = None, *,
                  max_num_seqs: int = 64, max_prefill_tokens: int = 2048, max_model_len: int | None = None,
-                 eos_ids: Iterable[int] | None = None, seed: int = 0):
+                 eos_ids: Iterable[int] | None = None, seed: int = 0, speculation: Speculation | None = None):
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         limit = model.cfg.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
@@ -63,6 +71,7 @@ class LLMEngine(Engine):
         self.eos_ids = set(eos_ids if eos_ids is not None else model.cfg.eos_token_ids)
         self.scheduler = Scheduler(cache, max_num_seqs, max_prefill_tokens)
         self.seed = seed  # the run's seed: unseeded requests derive theirs from it and their id
+        self.speculation = speculation
         self.reset_stats()
         self._ids = itertools.count()
         self._step = 0
@@ -164,7 +173,8 @@ class LLMEngine(Engine):
         """A new run's figures; the pool (and the prefix cache in it) stays as it is."""
         c = self.cache
         self.stats = RunStats(c.kind, c.block_size, c.num_blocks, c.kv_bytes, self.scheduler.max_num_seqs, cache=c,
-                              start=self.clock(), clock=self.clock)
+                              start=self.clock(), clock=self.clock,
+                              spec_method=self.speculation.method if self.speculation else "none")
 
     def add_observer(self, observer) -> None:
         self.observers.append(observer)
@@ -201,10 +211,13 @@ class LLMEngine(Engine):
         if plan.empty:
             self._record(plan, 0.0, self.cache.usage(), len(self.scheduler.running))
             return done
+        if self.speculation is not None and plan.decode:
+            self._draft(plan)
         work = plan_work(plan)  # before the step moves its sequences on
-        samplers, tokens, logprobs, forward_s = self._compute(plan)
+        samplers, tokens, logprobs, forward_s, verified = self._compute(plan)
         t4 = time.perf_counter()
         self._advance(plan)
+        emits = self._accept(plan, verified) if plan.verify else []
         for s in samplers:
             if s.pending:  # its prompt is computed: the other n - 1 start from it
                 self.scheduler.fork(s)
@@ -215,20 +228,69 @@ class LLMEngine(Engine):
         for s, tok, lp in zip(samplers, tokens, logprobs):
             if lp is not None:
                 s.logprobs.append(lp)
-            reason = self._append(s, tok)
-            if reason:
-                self.scheduler.finish(s)
-                out = self._finish(s, reason, s.error)
-                if out is not None:
-                    done.append(out)
+            self._end_if(self._append(s, tok), s, done)
+        for s, toks in emits:  # the accepted drafts, then the target's own next token
+            for tok in toks:
+                self.stats.spec_emitted_tokens += 1
+                if self._end_if(self._append(s, tok), s, done):
+                    break
         clock["postprocess"] += time.perf_counter() - t4
         self._record(plan, forward_s, usage, running, work)
         return done
 
+    def _end_if(self, reason: str | None, s: Sequence, done: list) -> bool:
+        """Finish ``s`` when ``_append`` gave a reason (its output joins ``done`` once complete)."""
+        if not reason:
+            return False
+        self.scheduler.finish(s)
+        out = self._finish(s, reason, s.error)
+        if out is not None:
+            done.append(out)
+        return True
+
+    # ---- speculative decoding ----------------------------------------------------------------
+
+    def _draft(self, plan: Plan) -> None:
+        """Propose drafts for the plan's greedy decoding sequences, within the room the scheduler
+        grants them, and move those that got any to ``plan.verify``."""
+        t0 = time.perf_counter()
+        spec = self.speculation
+        wants = [(s, self._draft_cap(s, spec.num_tokens)) for s in plan.decode if can_speculate(s)]
+        caps = self.scheduler.draft_room(plan, wants) if wants else []
+        picked = [(s, k) for (s, _), k in zip(wants, caps) if k > 0]
+        if picked:
+            drafts = spec.drafter.propose([s for s, _ in picked], [k for _, k in picked])
+            self.scheduler.speculate(plan, [(s, d[:k]) for (s, k), d in zip(picked, drafts) if d])
+        dt = time.perf_counter() - t0
+        self.stats.spec_draft_s += dt
+        self.stats.phases["prepare"] += dt
+
+    def _draft_cap(self, s: Sequence, k: int) -> int:
+        """No more drafts than the sequence could still emit after the step's own token."""
+        return max(0, min(k, s.request.params.max_new_tokens - s.num_output - 1,
+                          self.max_model_len - s.num_tokens - 1))
+
+    def _accept(self, plan: Plan, verified: list[list[int]]) -> list[tuple[Sequence, list[int]]]:
+        """Per verified sequence, the tokens it emits (the agreed drafts, then the argmax after
+        them); its stored length rolls back to the tokens the step accepted."""
+        st, out = self.stats, []
+        for (s, drafts), argmax in zip(plan.verify, verified):
+            a = accepted_prefix(drafts, argmax)
+            s.num_cached = s.num_tokens + a  # its last token and the agreed drafts are stored
+            self.cache.truncate(s.seq_id, s.num_cached)
+            st.spec_drafted_tokens += len(drafts)
+            st.spec_accepted_tokens += a
+            st.spec_verifications += 1
+            out.append((s, drafts[:a] + [argmax[a]]))
+        return out
+
+    # ---- the step's computation ----------------------------------------------------------------
+
     def _compute(self, plan: Plan):
         """The step's computation: pack, forward, sample. Returns (samplers, their tokens, their
-        log-probability entries, forward seconds); the cache stores the step's tokens. This is
-        the one part the simulator (``sim/engine.py``) replaces, by a measured step-cost model."""
+        log-probability entries, forward seconds, per ``plan.verify`` entry the argmax at each of
+        its rows); the cache stores the step's tokens. This is the one part the simulator
+        (``sim/engine.py``) replaces, by a measured step-cost model."""
         clock = self.stats.phases
         t1 = time.perf_counter()
         samplers, ids, pos, rows, attn, scoring = self._prepare(plan)
@@ -238,12 +300,16 @@ class LLMEngine(Engine):
         t3 = time.perf_counter()
         if masks is not None:
             self._apply_masks(logits, masks)
-        tokens, logprobs = self._sample(logits, samplers, scoring)
+        tokens, logprobs, argmax = self._sample(logits, samplers, scoring, sum(1 + len(d) for _, d in plan.verify))
         t4 = time.perf_counter()
         clock["prepare"] += t2 - t1
         clock["forward"] += t3 - t2
         clock["sample"] += t4 - t3
-        return samplers, tokens, logprobs, t3 - t2
+        verified, at = [], 0
+        for _, d in plan.verify:
+            verified.append(argmax[at:at + 1 + len(d)])
+            at += 1 + len(d)
+        return samplers, tokens, logprobs, t3 - t2, verified
 
     def _prepare(self, plan: Plan):
         """Pack the step's tokens; returns (samplers, ids, positions, logit rows, attention,
@@ -264,10 +330,17 @@ class LLMEngine(Engine):
             if start + n == s.num_tokens:  # the chunk that completes the prompt samples
                 logit_rows += [row - 1] * (1 + len(s.pending))  # once per fork, each its own seed
                 samplers += [s] + s.pending
-        attn = self.cache.plan_step([s.seq_id for s in plan.decode],
-                                    [(s.seq_id, start, n) for s, start, n in plan.prefill])
-        dev = self.model.device
+        chunks = [(s.seq_id, start, n) for s, start, n in plan.prefill]
         logit_rows += scoring.rows
+        for s, drafts in plan.verify:  # last token + drafts: a chunk whose every row is checked
+            start, n = s.num_tokens - 1, 1 + len(drafts)
+            ids += [s.tokens[-1]] + drafts
+            pos += range(start, start + n)
+            chunks.append((s.seq_id, start, n))
+            logit_rows += range(row, row + n)
+            row += n
+        attn = self.cache.plan_step([s.seq_id for s in plan.decode], chunks)
+        dev = self.model.device
         return samplers, to_device(ids, dev), to_device(pos, dev), to_device(logit_rows, dev), attn, scoring
 
     def _start_masks(self, samplers: list[Sequence]):
@@ -307,22 +380,28 @@ class LLMEngine(Engine):
             scoring.targets += s.tokens[lo + 1:hi + 1]
             scoring.groups.append((g, hi - lo))
 
-    def _sample(self, logits, samplers: list[Sequence], scoring: Scoring):
-        """Sample the step's tokens and gather the log-probabilities asked for: one readback,
-        the step's only host sync (on a GPU, queued forward work finishes inside it).
-        Returns (tokens, per-sampler (token, logprob, alternatives) or None)."""
-        n = len(samplers)
+    def _sample(self, logits, samplers: list[Sequence], scoring: Scoring, n_verify: int = 0):
+        """Sample the step's tokens, gather the log-probabilities asked for and the argmax of the
+        last ``n_verify`` rows (speculative verification): one readback, the step's only host
+        sync (on a GPU, queued forward work finishes inside it). Returns (tokens, per-sampler
+        (token, logprob, alternatives) or None, the verify rows' argmax)."""
+        n, ns = len(samplers), len(scoring.rows)
         tokens = sampler.sample(logits[:n], samplers) if n else None
         rows, k, table = sampler.sampled_logprobs(logits[:n], tokens, samplers) if n else ([], 0, None)
         pk = max((g.request.params.num_prompt_logprobs for g, _ in scoring.groups), default=0)
         ptable = None
         if scoring.rows:
-            ptable = sampler.logprob_table(logits[n:], to_device(scoring.targets, logits.device), pk)
+            ptable = sampler.logprob_table(logits[n:n + ns], to_device(scoring.targets, logits.device), pk)
+        argmax = logits[n + ns:].argmax(-1) if n_verify else None
         if table is None and ptable is None:
-            return (tokens.tolist() if n else []), [None] * n
-        parts = [x.flatten().float() for x in (tokens, table, ptable) if x is not None]
+            if argmax is None:
+                return (tokens.tolist() if n else []), [None] * n, []
+            both = (torch.cat([tokens, argmax]) if n else argmax).tolist()
+            return both[:n], [None] * n, both[n:]
+        parts = [x.flatten().float() for x in (tokens, table, ptable, argmax) if x is not None]
         flat = torch.cat(parts).tolist()
         ids = [int(x) for x in flat[:n]]
+        verified = [int(x) for x in flat[len(flat) - n_verify:]]
         at = n
         logprobs: list = [None] * n
         for i in rows:
@@ -335,7 +414,7 @@ class LLMEngine(Engine):
                 g.prompt_logprobs.append(_entry(target, flat[at:at + 1 + 2 * pk], pk, kg))
                 at += 1 + 2 * pk
             t += count
-        return ids, logprobs
+        return ids, logprobs, verified
 
     def _advance(self, plan: Plan) -> None:
         for s in plan.decode:
@@ -464,7 +543,8 @@ class LLMEngine(Engine):
             step=self._step, t=round(self.clock() - self.stats.start, 6), running=running,
             waiting=len(self.scheduler.waiting), blocks_used=u.blocks_used, blocks_free=u.blocks_free,
             tokens_stored=u.tokens_stored, slots_allocated=u.slots_allocated,
-            prefill_tokens=sum(n for _, _, n in plan.prefill), decode_tokens=len(plan.decode), preempted=n_pre,
+            prefill_tokens=sum(n for _, _, n in plan.prefill), decode_tokens=len(plan.decode) + len(plan.verify),
+            preempted=n_pre,
             forward_s=round(forward_s, 6), shared_refs=u.shared_refs, cached_free=u.blocks_cached_free,
             shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs,
             **(work or {})))
@@ -481,7 +561,8 @@ def scored_span(s: Sequence, start: int, n: int) -> tuple[int, int]:
 def plan_work(plan: Plan) -> dict:
     """The step's model work as host integers, for ``StepRecord`` (``roofline.py`` turns them
     into FLOPs and bytes): one forward; rows through the output projection (one per sampled
-    token, n for a prompt that forks n ways, plus scored prompt rows); query-key pairs of causal
+    token, n for a prompt that forks n ways, plus scored prompt rows and every row of a
+    speculative verify chunk); query-key pairs of causal
     attention (a decode row at context c: c; a chunk of n rows from position p: n*p + n(n+1)/2);
     and K/V token positions read (each decode row its context, each chunk its context once)."""
     logit_rows = len(plan.decode)
@@ -492,6 +573,11 @@ def plan_work(plan: Plan) -> dict:
         if s.group is not None and s.group.scoring_prompt:
             lo, hi = scored_span(s, start, n)
             logit_rows += max(0, hi - lo)
+        pairs += n * start + n * (n + 1) // 2
+        kv_read += start + n
+    for s, drafts in plan.verify:  # its last token and the drafts: a chunk, every row through the head
+        n, start = len(drafts) + 1, s.num_tokens - 1
+        logit_rows += n
         pairs += n * start + n * (n + 1) // 2
         kv_read += start + n
     return {"forwards": 1, "logit_rows": logit_rows, "attn_pairs": pairs, "kv_read_tokens": kv_read}

@@ -245,6 +245,7 @@ class Sequence:
     pending: list["Sequence"] = field(default_factory=list)  # forks waiting for this prompt (fork 0)
     grammar: object = None  # constraints.GrammarState of a constrained request (one per fork)
     logprobs: list | None = None  # per output token: (logprob, [(alt id, alt logprob), ...])
+    draft_state: object = None  # speculative decoding: the n-gram drafter's index of these tokens
 
     @property
     def num_tokens(self) -> int:

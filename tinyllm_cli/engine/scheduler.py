@@ -16,6 +16,12 @@ Invariants:
 - Progress is guaranteed: the oldest running sequence is preempted only when it is alone and
   cannot grow at all, and then it is failed, not requeued; a head of queue that cannot fit an
   empty pool is failed as well. So the engine never loops forever.
+- Speculative decoding (``speculate``) moves a decoding sequence with draft tokens from
+  ``decode`` to ``verify``: it stores its last token and its k drafts in one chunk. Drafts come
+  after everything else in the step: they spend the prefill token budget that the step left
+  and only blocks that are free after the step's own growth, so they never delay an admission
+  nor preempt anyone; a sequence gets fewer drafts, or none, instead. A step that preempts
+  verifies no drafts (the blocks it freed are not for optimisations).
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ class Plan:
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
     recomputed: int = 0  # tokens computed before a preemption that re-admission computes again
+    budget: int = 0  # prefill tokens the step left unspent (draft tokens may take them)
+    verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (seq, its draft tokens)
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.verify
 
 
 class Scheduler:
@@ -78,7 +86,7 @@ class Scheduler:
         self._reserve(plan)
         budget = self._continue_prefills(plan, self.max_prefill_tokens)
         if not plan.preempted:
-            self._admit(plan, budget)
+            plan.budget = self._admit(plan, budget)  # a step that preempts drafts nothing either
         plan.decode = [s for s in self.running if s.status is Status.DECODE]
         for s in plan.decode:  # this step stores its last token
             self.cache.commit(s.seq_id, s.tokens, s.num_tokens)
@@ -112,7 +120,27 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _admit(self, plan: Plan, budget: int) -> None:
+    def draft_room(self, plan: Plan, wants: list[tuple[Sequence, int]]) -> list[int]:
+        """How many draft tokens each ``(decoding seq, want)`` may verify this step, in turn:
+        within the token budget the step left and the blocks still free (a check only)."""
+        budget, needs = plan.budget, []
+        for s, want in wants:
+            k = min(want, budget)
+            budget -= k
+            needs.append((s.seq_id, s.num_tokens, k))
+        return self.cache.draft_room(needs)
+
+    def speculate(self, plan: Plan, drafts: list[tuple[Sequence, list[int]]]) -> None:
+        """Verify these decoding sequences' drafts this step (each within its ``draft_room``):
+        they leave ``plan.decode`` for ``plan.verify`` and grow to hold their drafts."""
+        for s, d in drafts:
+            self.cache.grow(s.seq_id, s.num_tokens + len(d))
+            plan.budget -= len(d)
+        moved = {s.seq_id for s, _ in drafts}
+        plan.decode = [s for s in plan.decode if s.seq_id not in moved]
+        plan.verify += drafts
+
+    def _admit(self, plan: Plan, budget: int) -> int:
         while self.waiting and budget > 0:
             s = self.waiting[0]
             forks = len(s.pending)
@@ -138,3 +166,4 @@ class Scheduler:
             # Registered now, so the next admission in this very step can share these blocks.
             self.cache.commit(s.seq_id, s.tokens, cached + n)
             budget -= n
+        return budget

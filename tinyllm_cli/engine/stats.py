@@ -278,6 +278,15 @@ class RunStats:
     grammar_compile_s: float = 0.0
     grammar_cache_hits: int = 0
     constrained_tokens: int = 0
+    # Speculative decoding: drafts proposed and accepted, verifications (one per sequence and
+    # step that verified drafts), tokens those emitted (accepted drafts + the target's next
+    # token, up to a stop), and the drafters' time (part of the "prepare" phase).
+    spec_method: str = "none"
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    spec_emitted_tokens: int = 0
+    spec_draft_s: float = 0.0
     phases: dict = field(default_factory=lambda: dict.fromkeys(
         ("schedule", "prepare", "forward", "sample", "postprocess"), 0.0))
     # The run's clock: wall time, or a simulator's virtual time (then ``start`` is on it too).
@@ -337,6 +346,7 @@ class RunStats:
             "constrained_tokens": self.constrained_tokens, "grammar_s": round(self.grammar_s, 4),
             "grammar_wait_s": round(self.grammar_wait_s, 4), "grammar_compile_s": round(self.grammar_compile_s, 4),
             "grammar_cache_hits": self.grammar_cache_hits,
+            **self._spec_summary(),
             "ttft_s": percentiles(self.ttft), "tpot_s": percentiles(self.tpot),
             "latency_s": percentiles(self.latency),
         }
@@ -356,6 +366,23 @@ class RunStats:
                 "peak_fork_shared_blocks": self.totals.peak_fork_shared_blocks,
                 "peak_fork_refs": self.totals.peak_fork_refs}
 
+    def _spec_summary(self) -> dict:
+        return spec_summary(self.spec_method, self.spec_drafted_tokens, self.spec_accepted_tokens,
+                            self.spec_verifications, self.spec_emitted_tokens, self.spec_draft_s)
+
     def timeline(self) -> list[dict]:
         """At most ``TIMELINE_POINTS`` points over the whole run (every step for shorter runs)."""
         return [asdict(s) | {"utilization": round(s.utilization, 4)} for s in self.history.records()]
+
+
+SPEC_COUNTS = ("spec_drafted_tokens", "spec_accepted_tokens", "spec_verifications", "spec_emitted_tokens",
+               "spec_draft_s")
+
+
+def spec_summary(method: str, drafted: int, accepted: int, verifications: int, emitted: int, draft_s: float) -> dict:
+    """The speculative-decoding keys of a summary (one place, so workers' counts merge the same)."""
+    return {"spec_method": method, "spec_drafted_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "spec_verifications": verifications, "spec_emitted_tokens": emitted,
+            "spec_tokens_per_verify": round(emitted / verifications, 3) if verifications else 0.0,
+            "spec_draft_s": round(draft_s, 4)}

@@ -74,7 +74,7 @@ class SimEngine(LLMEngine):
         self.cache.advance([s.seq_id for s in plan.decode], [(s.seq_id, st, n) for s, st, n in plan.prefill])
         self.now += dt
         self.stats.phases["forward"] += dt
-        return samplers, [self._token(s) for s in samplers], [None] * len(samplers), dt
+        return samplers, [self._token(s) for s in samplers], [None] * len(samplers), dt, []  # nothing verified
 
     def step(self):
         if self.skip_ahead and not self.observers:

@@ -23,6 +23,7 @@ from ..config import Config
 from ..engine.dispatch import least_loaded
 from ..engine.request import Request, RequestOutput
 from ..engine.stats import RunStats, RunSummary
+from ..errors import UsageError
 from ..runtime import Runtime, make_cache
 from .cost import CostModel
 from .engine import SimEngine
@@ -44,6 +45,9 @@ def make_sim_engine(cfg: Config, cost: CostModel, skip_ahead: bool = True) -> Si
 
 class Simulation:
     def __init__(self, cfg: Config, cost: CostModel, workers: int | None = None, skip_ahead: bool = True):
+        if cfg.speculative.method != "none":
+            raise UsageError(f"simulate does not model speculative decoding (its step-cost model has no verify rows); "
+                             f"set speculative.method to none, not {cfg.speculative.method!r}")
         self.cfg, self.cost = cfg, cost
         n = workers or cfg.parallel.workers
         self.engines = [make_sim_engine(cfg, cost, skip_ahead) for _ in range(n)]
