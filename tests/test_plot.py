@@ -240,3 +240,17 @@ def test_version(capsys, monkeypatch):
     monkeypatch.setattr(metadata, "version", missing)
     code, out, _ = cli(capsys, "--version")
     assert code == 0 and out.startswith("tinyllm unknown (not installed")
+
+
+def test_simulate_sweep_plot_is_labelled_by_the_swept_setting(capsys, tmp_path):
+    """A `simulate --sweep num_blocks=...` figure puts the pool sizes on the x axis (not the one
+    block size every point shares) and says it was simulated."""
+    js, svg = tmp_path / "s.json", tmp_path / "s.svg"
+    code, _, _ = cli(capsys, "simulate", "--num-requests", 24, "--input-len", 32, "--output-len", 16,
+                     "--sweep", "num_blocks=24,48,96", "--stats-json", js, "-q")
+    assert code == 0
+    code, _, err = cli(capsys, "plot", js, "-o", svg)
+    assert code == 0, err
+    ids, text = svg_ids_and_text(svg)
+    assert {f"total_tokens_per_s/paged-prefix-on/num_blocks={n}" for n in (24, 48, 96)} <= ids
+    assert "num blocks" in text and "tinyllm simulate" in text and "block size (tokens)" not in text

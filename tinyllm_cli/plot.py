@@ -75,14 +75,23 @@ def _series(row: dict) -> str:
 
 
 def _gid(key: str, row: dict) -> str:
-    """The SVG id of one row's artist in one panel, e.g. ``total_tokens_per_s/paged-prefix-on/16``."""
+    """The SVG id of one row's artist in one panel, e.g. ``total_tokens_per_s/paged-prefix-on/16``
+    (a simulate sweep's point instead of the block size: ``.../num_blocks=48``)."""
     series = _series(row).replace(", ", "-").replace(" ", "-")
-    return f"{key}/{series}/{'slot' if row['cache_kind'] == 'slot' else row['block_size']}"
+    point = row.get("sweep") or ('slot' if row['cache_kind'] == 'slot' else row['block_size'])
+    return f"{key}/{series}/{point}"
 
 
 def _category(row: dict) -> str:
+    if row.get("sweep"):  # a simulate sweep: x is the swept setting's value
+        return row["sweep"].partition("=")[2]
     # The slot cache has no block size: its one reservation per sequence is max_model_len.
     return f"slot\n({row['block_size']}/seq)" if row["cache_kind"] == "slot" else str(row["block_size"])
+
+
+def _x_label(rows: list[dict]) -> str:
+    sweep = rows[0].get("sweep")
+    return sweep.partition("=")[0].replace("_", " ") if sweep else "block size (tokens)"
 
 
 def _bench_title(rows: list[dict]) -> str:
@@ -92,7 +101,10 @@ def _bench_title(rows: list[dict]) -> str:
     facts += f" · {r['device']}" if "device" in r else ""
     load = (f"{r['num_prompts']} prompts, ~{r['mean_input_len']:.0f} tokens in / {r['output_len']} out"
             if "num_prompts" in r else f"{r['num_requests']} requests")
-    return f"tinyllm bench · {facts}\n{load} · KV {_mib(r['kv_bytes'])} per run"
+    what = "simulate (step-cost profile)" if r.get("simulated") else "bench"
+    kv = sorted({x["kv_bytes"] for x in rows})
+    kv_text = _mib(kv[0]) if len(kv) == 1 else f"{_mib(kv[0])} to {_mib(kv[-1])}"
+    return f"tinyllm {what} · {facts}\n{load} · KV {kv_text} per run"
 
 
 def _mib(b: int) -> str:
@@ -105,6 +117,7 @@ class _Bars:
 
     def __init__(self, rows: list[dict]):
         self.rows = rows
+        self.x_label = _x_label(rows)
         self.cats = list(dict.fromkeys(_category(r) for r in rows))
         self.series = list(dict.fromkeys(_series(r) for r in rows))
         self.colors = {s: f"C{i}" for i, s in enumerate(self.series)}
@@ -141,7 +154,7 @@ class _Bars:
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title, fontsize=10)
         ax.set_xticks(range(len(self.cats)), self.cats)
-        ax.set_xlabel("block size (tokens)")
+        ax.set_xlabel(self.x_label)
         ax.margins(y=0.15)
         ax.grid(axis="y", alpha=0.3)
 
