@@ -108,6 +108,24 @@ def test_q4_linear_equals_f_linear_on_the_dequantized_weight(qtype, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K], ids=lambda q: q.name)
+def test_q4_unpack_inverts_q4_pack_and_many_rows_take_it(qtype):
+    """``q4_unpack`` gives back exactly the weight the kernel multiplies by (float16 scale and
+    min), and a step of ``DEQUANT_ROWS`` rows or more (unpacked, oneDNN bfloat16) agrees with
+    the 4-bit kernel on the same rows up to bfloat16 rounding of the weights."""
+    rows, cols = 48, 512 if qtype == QT.Q4_K else 96
+    q = from_gguf(_raw(qtype, rows, cols, seed=5), qtype.name, rows, cols)
+    lin = Q4Linear(q, torch.randn(rows).bfloat16())
+    half = QuantWeight(q.codes, q.scale.half().float(), q.min.half().float())  # what q4_pack keeps
+    assert torch.equal(quant.q4_unpack(lin.packed, torch.float32), half.dequantize())
+    x = torch.randn(quant.DEQUANT_ROWS, cols).bfloat16()
+    ref = F.linear(x.double(), q.dequantize().double(), lin.bias.double())
+    for got in (lin(x), torch.ops.tinyllm.q4_linear(x, lin.packed, lin.bias)):
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-2, f"{qtype.name}: max error {err:.3g} of the largest output"
+
+
+@needs_kernels
 def test_q4_pack_refuses_shapes_it_cannot_hold():
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.tinyllm.q4_pack(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
@@ -188,6 +206,36 @@ def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_
     confident = (top2[:, 0] - top2[:, 1]) > 0.1
     assert confident.sum() >= 15
     assert (got.argmax(-1) == ref.argmax(-1))[confident].all()
+
+
+@needs_kernels
+def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch):
+    """A step of ``DEQUANT_ROWS`` rows or more leaves the one-call layer kernel for the layer's
+    modules, whose Q4Linear unpacks to bfloat16: the logits agree with the dequantized model as
+    the 4-bit kernel's do, and the unpacked path was really taken."""
+    if not quant.q4_usable(torch.device("cpu")):
+        pytest.skip("tinyllm's 4-bit kernel runs where the CPU has AVX512-BF16")
+    ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
+    deq = load_checkpoint(str(q4_gguf), progress=False)
+    ref = _logits(build_model(deq.config, deq.weights, torch.float32, "cpu"), PROMPTS)
+    calls = []
+    real_unpack = quant.q4_unpack
+    monkeypatch.setattr(quant, "q4_unpack", lambda *a, **k: calls.append(1) or real_unpack(*a, **k))
+    monkeypatch.setattr(quant, "DEQUANT_ROWS", 8)  # the prompts' 40 rows are a big step now
+    got = _logits(model, PROMPTS)
+    assert calls, "the unpacked path was not taken"
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < 0.05, f"relative logit error {rel:.3g}"
+    top2 = ref.topk(2, -1).values
+    confident = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert (got.argmax(-1) == ref.argmax(-1))[confident].all()
+    # Through the engine (paged attention, where layers otherwise run as one kernel call).
+    from tinyllm_cli import LLM
+    calls.clear()
+    with LLM(str(q4_gguf), quant="gguf", dtype="bfloat16", num_blocks=64, progress=False) as llm:
+        out = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=3, ignore_eos=True), chat=False, use_tqdm=False)
+    assert calls and len(out[0].completions[0].token_ids) == 3
 
 
 @needs_int4  # quant: gguf runs only where torch has its int4 matmul (runtime.check_quant), the fallback

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from .. import kernels as native
 from .gemm import PackedLinear, pack_linears, resolve_gemm
+from . import quant as quant_forms
 from .quant import Int4Linear, Int8Embedding, Int8Head, Int8Rows, Q4Linear, QuantWeight, int4_linear, is_quantized
 
 
@@ -245,6 +246,8 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(positions)
         # Native path with the paged kernel: each layer is one kernel call (DecoderLayer.fused).
         paged = getattr(attn, "paged", None) if self.native else None
+        if self.quant == "gguf" and input_ids.shape[0] >= quant_forms.DEQUANT_ROWS:
+            paged = None  # the layer's modules: Q4Linear unpacks to bfloat16 for a step this big
         for layer in self.layers:
             args = paged(layer.index) if paged is not None and layer.fused_args is not None else None
             x, r = layer(x, r, cos, sin, attn) if args is None else layer.fused(x, r, cos, sin, args)

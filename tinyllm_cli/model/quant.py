@@ -20,6 +20,16 @@ What each form computes (the same math as the dequantized weights, up to stated 
   The same int8 rows serve the embedding lookup and the output projection: one copy.
 - The activation dtype is bfloat16 (both 4-bit kernels' inputs); everything that is not a
   quantized matmul (norms, attention, K/V) runs as in the dequantized model.
+- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more): ``Q4Linear`` unpacks its
+  weight to bfloat16 for that call (transient, never kept) and runs oneDNN's bfloat16 matmul.
+  The 4-bit kernel's bf16 dot products win when few rows share each weight read (decoding); at
+  many rows of a 1536 x 8960 layer they reach ~174 GFLOP/s, oneDNN's bfloat16 matmul ~2,350
+  (AMX, Sapphire Rapids, measured) or ~430 (AVX512-BF16 without AMX, Zen 4: the figure of the
+  round-3 issue, not measured here). Unpacking such a layer takes ~58 ms (torch ops), so the
+  unpacked path wins from ~450 rows with AMX and, by that estimate, ~800 without: from
+  ``DEQUANT_ROWS`` = 1024 it wins on both (Sapphire Rapids, 1,460 rows: 78 ms against 233). That path rounds each weight to bfloat16 once more, so a prompt's
+  prefill may differ from the 4-bit kernel's by bfloat16 rounding (the configuration is not
+  token-exact anyway).
 
 Invariants: a ``QuantWeight`` is the only copy of its weight once the model is built (no float
 copy is kept); ``Q4Linear(x)`` and ``Int4Linear(x)`` equal ``F.linear(x, dequantize())`` up to
@@ -201,8 +211,31 @@ def q4_usable(device: torch.device) -> bool:
     return torch.device(device).type == "cpu" and native.load() and torch.ops.tinyllm.q4_fast()
 
 
+# Rows from which Q4Linear unpacks to bfloat16 and uses oneDNN's matmul (see the module
+# docstring): past the break-even of AMX hosts (~450 rows) and of AVX512-BF16-only ones (~800).
+DEQUANT_ROWS = 1024
+
+
+def q4_unpack(packed: Tensor, dtype: torch.dtype = ACT_DTYPE) -> Tensor:
+    """``q4_pack``'s [N/16, K/32, 320] layout back to the [N, K] weight ``scale * q + min``
+    (computed in float32 with the float16 scale and min the kernel uses, then cast)."""
+    nb, groups, _ = packed.shape
+    b = packed[..., :256].reshape(nb, groups, 4, 16, 4)  # [row block, group, vector i, row j, byte]
+    lo, hi = b & 15, b >> 4
+    # Input 8i + r of row j: bytes 0..3 hold (q0|q2), (q4|q6), (q1|q3), (q5|q7), low nibble first.
+    q = torch.stack([lo[..., 0], lo[..., 2], hi[..., 0], hi[..., 2], lo[..., 1], lo[..., 3], hi[..., 1], hi[..., 3]], -1)
+    q = q.permute(0, 3, 1, 2, 4).reshape(nb * 16, groups, 32)  # row = block * 16 + j, input = 32 g + 8 i + r
+
+    def per_row(col: int) -> Tensor:  # [N, groups, 1] float32
+        h = packed[..., col:col + 32].contiguous().view(torch.float16).reshape(nb, groups, 16)
+        return h.permute(0, 2, 1).reshape(nb * 16, groups, 1).float()
+    w = torch.addcmul(per_row(288), q.float(), per_row(256))
+    return w.reshape(nb * 16, groups * 32).to(dtype)
+
+
 class Q4Linear(nn.Module):
-    """``F.linear`` with a 4-bit weight in tinyllm's layout (``q4_pack``, packed once at load)."""
+    """``F.linear`` with a 4-bit weight in tinyllm's layout (``q4_pack``, packed once at load);
+    from ``DEQUANT_ROWS`` rows on, over the weight unpacked to bfloat16 for the call."""
 
     def __init__(self, w: QuantWeight, bias: Tensor | None):
         super().__init__()
@@ -211,6 +244,8 @@ class Q4Linear(nn.Module):
         self.bias = None if bias is None else bias.to(ACT_DTYPE)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] >= DEQUANT_ROWS:
+            return torch.nn.functional.linear(x, q4_unpack(self.packed), self.bias)
         return torch.ops.tinyllm.q4_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
