@@ -179,7 +179,6 @@ class SimEngine(LLMEngine):
         e = 0
         waiting = len(sch.waiting)
         for j in range(k):
-            start_e = e
             while e < len(events) and events[e][0] == j:
                 s = run[events[e][1]]
                 cache.tables[s.seq_id].extend(pool.allocate(1))
@@ -196,7 +195,6 @@ class SimEngine(LLMEngine):
                 forwards=1, logit_rows=B, attn_pairs=ctx0 + B * j, kv_read_tokens=ctx0 + B * j))  # plan_work's counts
             st.forward_s += dt
             self._step += 1
-            del start_e
         st.phases["forward"] += times[-1] - self.now
         self.now = times[-1]
         for s in run:
