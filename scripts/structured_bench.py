@@ -16,24 +16,15 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from tinyllm_cli import LLM, SamplingParams
 from tinyllm_cli.engine import constraints
 from tinyllm_cli.machine import cpu_name
 
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"]},
-    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
-                                      "score": {"type": "number", "minimum": 0, "maximum": 1}},
-     "required": ["colour", "score"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                               "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 999}, "admin": {"type": "boolean"}},
-        "required": ["id", "admin"]}}, "required": ["user"]},
-]
+# The first four of the schemas tests/test_structured.py checks outputs against (the same file).
+SCHEMAS = [json.loads(line) for line in
+           (Path(__file__).resolve().parent.parent / "tests" / "data" / "schemas.jsonl").read_text().splitlines()][:4]
 
 
 def run(llm: LLM, prompts, params, overlap: bool = True) -> tuple[dict, list]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -18,31 +19,9 @@ from tinyllm_cli.engine.request import Request
 
 from test_cli import cli, jsonl
 
-NAME = {"type": "string", "maxLength": 12}
-SCHEMAS = [
-    {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"]},
-    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
-                                      "score": {"type": "number", "minimum": 0, "maximum": 1}},
-     "required": ["colour", "score"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
-                                               "minItems": 1, "maxItems": 3}}, "required": ["tags"]},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 999}, "admin": {"type": "boolean"}},
-        "required": ["id", "admin"]}}, "required": ["user"]},
-    {"type": "object", "properties": {"city": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-     "required": ["city"]},  # zip optional
-    {"type": "object", "properties": {"points": {"type": "array", "maxItems": 2, "items": {
-        "type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
-                                         "y": {"type": "integer", "minimum": -9, "maximum": 9}},
-        "required": ["x", "y"]}}}, "required": ["points"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 10}},
-     "required": ["ok", "note"]},
-    {"type": "object", "properties": {"level": {"type": "integer", "enum": [1, 2, 3]},
-                                      "label": {"const": "done"}, "weight": {"type": "number", "minimum": -5,
-                                                                              "maximum": 5}},
-     "required": ["level", "label", "weight"]},
-]
+# Eight schemas (objects, enums, arrays, nesting, an optional field, a pattern, a nullable type,
+# const), shared with scripts/structured_bench.py.
+SCHEMAS = [json.loads(line) for line in (Path(__file__).parent / "data" / "schemas.jsonl").read_text().splitlines()]
 SHARED = "You are a data extraction tool. Answer with one JSON object only, nothing else. " * 3
 
 
