@@ -44,6 +44,50 @@ def test_packed_linear_takes_non_contiguous_rows_and_bf16():
         torch.testing.assert_close(got.float(), F.linear(xb, wb).float(), rtol=2e-2, atol=2e-2)
 
 
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+def test_widened_packed_linear_is_a_bf16_matmul_with_fp32_accumulation(rows):
+    """onednn-f32 (a bfloat16 model on a CPU without bfloat16 matmuls): bfloat16 in and out, the
+    float32 product of the bfloat16 values rounded once, as a bfloat16 matmul accumulating in
+    float32 computes; the packed weight is float32 (exactly the bfloat16 values)."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(200, 96, generator=g).bfloat16(), torch.randn(200, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    lin = PackedLinear(w, b, widen=True)
+    got = lin(x)
+    ref = F.linear(x.float(), w.float(), b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 200) and lin.bias.dtype == torch.float32
+    torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-5)  # one bfloat16 rounding
+    assert "onednn-f32" in repr(lin)
+
+
+def test_bf16_without_bf16_matmuls_packs_in_fp32(monkeypatch, llama_dir):
+    """Where oneDNN has no bfloat16 matmul (monkeypatched here, so every CPU runs this), a
+    bfloat16 model's linears pack in float32 ('onednn-f32') and give the logits of the plain
+    bfloat16 F.linear path."""
+    from tinyllm_cli.model import gemm
+    if not onednn_usable(torch.float32, CPU):
+        pytest.skip("torch built without oneDNN")
+    real = gemm.onednn_usable
+    monkeypatch.setattr(gemm, "onednn_usable", lambda dtype, device: dtype != torch.bfloat16 and real(dtype, device))
+    assert resolve_gemm("auto", torch.bfloat16, CPU) == resolve_gemm("onednn", torch.bfloat16, CPU) == "onednn-f32"
+    assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
+    ck = load_checkpoint(str(llama_dir), progress=False)
+    wide = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", "auto")
+    plain = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", "torch")
+    assert wide.gemm == "onednn-f32" and all(m.widen for m in wide.modules() if isinstance(m, PackedLinear))
+    assert sum(isinstance(m, PackedLinear) for m in wide.modules()) == 4 * ck.config.num_layers + 1
+
+    from tinyllm_cli.cache.attention import NoCacheAttention
+    ids = torch.randint(3, ck.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(25), torch.arange(15)])
+    with torch.inference_mode():
+        a = wide(ids, pos, NoCacheAttention([25, 15]), None)
+        b = plain(ids, pos, NoCacheAttention([25, 15]), None)
+    assert a.dtype == b.dtype == torch.float32
+    torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)  # bfloat16 activations, summation order
+
+
 def test_resolve_gemm_choices():
     assert resolve_gemm("torch", torch.float32, CPU) == "torch"
     assert resolve_gemm("auto", torch.float16, CPU) == "torch"  # no packed fp16 path: plain F.linear
@@ -52,6 +96,8 @@ def test_resolve_gemm_choices():
         resolve_gemm("onednn", torch.float16, CPU)
     if onednn_usable(torch.float32, CPU):
         assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
+        # bfloat16: natively where oneDNN has bfloat16 matmuls, else packed in float32
+        assert resolve_gemm("auto", torch.bfloat16, CPU) == ("onednn" if onednn_usable(torch.bfloat16, CPU) else "onednn-f32")
 
 
 @needs_onednn

@@ -243,6 +243,32 @@ def test_fused_layer_equals_the_python_layer_exactly(model_name, request):
     assert results["fused"] == results["ops"]
 
 
+@needs_kernels
+def test_fused_layer_runs_widened_bf16_linears_exactly(monkeypatch, llama_dir):
+    """A bfloat16 model whose linears pack in float32 (onednn-f32, forced here on every CPU):
+    the one-call layer's linear kind 4 gives the Python layer's tokens and log-probabilities
+    bitwise."""
+    from tinyllm_cli.model import gemm
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    from tinyllm_cli.model.llama import build_model
+    real = gemm.onednn_usable
+    monkeypatch.setattr(gemm, "onednn_usable", lambda dtype, device: dtype != torch.bfloat16 and real(dtype, device))
+    ck = load_checkpoint(str(llama_dir), progress=False)
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
+    if model.gemm != "onednn-f32":
+        pytest.skip("torch built without oneDNN")
+    assert {k for layer in model.layers for k in layer.fused_args[1]} == {4}
+    reqs = make_requests(n=4, seed=5, logprobs=3)
+    results = {}
+    for dense in ("fused", "ops"):
+        set_dense_path(model, dense)
+        cache = PagedKVCache(model.cfg, 64, 4, torch.bfloat16, "cpu", attention="kernel")
+        outs, _ = run(model, cache, reqs, max_prefill_tokens=16)
+        results[dense] = [(o.token_ids, o.logprobs) for o in outs]
+    assert all(lp for _, lp in results["fused"])
+    assert results["fused"] == results["ops"]
+
+
 def test_kernel_attention_on_another_device_is_one_sentence():
     with pytest.raises(ValueError, match="runs on the CPU only"):
         resolve_attention("kernel", torch.device("cuda"))

@@ -272,12 +272,13 @@ def _best_seconds(fn, budget: float) -> float:
 
 def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], budget: float) -> dict[str, dict[str, float]]:
     """GFLOP/s of x[rows, hidden] @ W[FFN, hidden]^T per matmul path and row count."""
-    from .model.gemm import PackedLinear, onednn_usable
+    from .model.gemm import PackedLinear, resolve_gemm
     k, n = shape
     w = torch.randn(n, k).to(dtype)
     paths = {"torch": partial(F.linear, weight=w)}
-    if onednn_usable(dtype, torch.device("cpu")):
-        paths["onednn"] = PackedLinear(w, None)
+    packed = resolve_gemm("auto", dtype, torch.device("cpu"))  # 'onednn', 'onednn-f32' or 'torch'
+    if packed != "torch":
+        paths[packed] = PackedLinear(w, None, widen=packed == "onednn-f32")
     slice_s = budget / (len(paths) * len(PEAK_ROWS))
     out: dict[str, dict[str, float]] = {}
     with torch.inference_mode():

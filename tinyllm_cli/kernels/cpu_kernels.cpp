@@ -36,7 +36,7 @@
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -232,16 +232,27 @@ void attend_pair(const typename S::T* q, int64_t q_stride_h, const typename S::T
     for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = S::st(acc[g * dim + d] * inv_sum[g]);
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// The attention vector path's registers, one width per build: W float32 lanes (16 with AVX-512,
+// 8 with AVX2, which every x86 server core of the last decade has, AMD and Intel alike).
 #if defined(__AVX512F__)
-// 16 consecutive elements of a row as float32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // bfloat16 bits: widen to the high half of each lane
+using VecF = __m512;
+constexpr int kLanes = 16;
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vset1(float f) { return _mm512_set1_ps(f); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vload(const uint16_t* p) {  // bfloat16 bits: widen to the high half of each lane
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
 // Lane i of the result = the sum of v[i]'s 16 lanes: 16 dot products finished with 15 adds and
 // 30 shuffles, where one horizontal sum each costs ~8 dependent operations.
-inline __m512 sum16x16(__m512 v[16]) {
+inline VecF sum_lanes(VecF v[16]) {
   __m512 a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i)  // a[i], per 128-bit quarter: (v2i, v2i+1, v2i, v2i+1) half sums
     a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -252,19 +263,47 @@ inline __m512 sum16x16(__m512 v[16]) {
   // (v0-3, v4-7, v8-11, v12-15), each quarter now summed over all four
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
+#else
+using VecF = __m256;
+constexpr int kLanes = 8;
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vset1(float f) { return _mm256_set1_ps(f); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vload(const uint16_t* p) {  // bfloat16 bits: widen to the high half of each lane
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline float vsum(VecF v) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+// Lane i of the result = the sum of v[i]'s 8 lanes: three rounds of pairwise adds (hadd works
+// per 128-bit half), then the two halves added; 7 adds and 2 permutes for 8 dot products.
+inline VecF sum_lanes(VecF v[8]) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // per half: v0..v3, v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#endif
 
 // One query head, ready for dot products with K rows: the lanes of partial(k) sum to q . k
 // times the softmax scale, or to q . k when ``post`` (applied to the finished sums) is the scale.
 template <typename S, int64_t DIM>
 struct QueryRow {
-  __m512 qv[DIM / 16];
+  VecF qv[DIM / kLanes];
   float post = 1.0f;
   QueryRow(const typename S::T* q, float scale) {
-    for (int i = 0; i < DIM / 16; ++i) qv[i] = _mm512_mul_ps(load16(q + 16 * i), _mm512_set1_ps(scale));
+    for (int i = 0; i < DIM / kLanes; ++i) qv[i] = vmul(vload(q + kLanes * i), vset1(scale));
   }
-  __m512 partial(const typename S::T* k) const {
-    __m512 acc = _mm512_mul_ps(qv[0], load16(k));
-    for (int i = 1; i < DIM / 16; ++i) acc = _mm512_fmadd_ps(qv[i], load16(k + 16 * i), acc);
+  VecF partial(const typename S::T* k) const {
+    VecF acc = vmul(qv[0], vload(k));
+    for (int i = 1; i < DIM / kLanes; ++i) acc = vfma(qv[i], vload(k + kLanes * i), acc);
     return acc;
   }
 };
@@ -292,14 +331,14 @@ struct QueryRow<BF16, DIM> {
 template <typename S, int64_t DIM>
 struct WeightedV {
   static void run(const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t len, float* row) {
-    __m512 acc[DIM / 16];
-    for (int i = 0; i < DIM / 16; ++i) acc[i] = _mm512_setzero_ps();
+    VecF acc[DIM / kLanes];
+    for (int i = 0; i < DIM / kLanes; ++i) acc[i] = vzero();
     for (int64_t t = 0; t < len; ++t) {
       const typename S::T* v = v_pool + rows[t];
-      const __m512 wt = _mm512_set1_ps(w[t]);
-      for (int i = 0; i < DIM / 16; ++i) acc[i] = _mm512_fmadd_ps(wt, load16(v + 16 * i), acc[i]);
+      const VecF wt = vset1(w[t]);
+      for (int i = 0; i < DIM / kLanes; ++i) acc[i] = vfma(wt, vload(v + kLanes * i), acc[i]);
     }
-    for (int i = 0; i < DIM / 16; ++i) _mm512_storeu_ps(row + 16 * i, acc[i]);
+    for (int i = 0; i < DIM / kLanes; ++i) vstore(row + kLanes * i, acc[i]);
   }
 };
 
@@ -342,8 +381,8 @@ struct WeightedV<BF16, DIM> {
 };
 #endif
 
-// attend_pair's math with the head in registers (DIM = 64 or 128): scores 16 positions at a
-// time (QueryRow), a running weighted sum of V per query head. Float32 arithmetic in another
+// attend_pair's math with the head in registers (DIM = 64 or 128): scores kLanes positions at
+// a time (QueryRow), a running weighted sum of V per query head. Float32 arithmetic in another
 // order; with AVX512-BF16, bfloat16 heads use bf16 pair dot products (QueryRow, WeightedV).
 // attend_pair's signature (the head size is DIM, so its run-time copy goes unused).
 template <typename S, int64_t DIM>
@@ -362,15 +401,15 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
   }
   for (int64_t g = 0; g < groups; ++g) {
     const QueryRow<S, DIM> qr(q + g * q_stride_h, scale);
-    const __m512 post = _mm512_set1_ps(qr.post);
+    const VecF post = vset1(qr.post);
     float* sg = scores.data() + g * len;
     int64_t p = 0;
-    for (; p + 16 <= len; p += 16) {
-      __m512 part[16];
-      for (int r = 0; r < 16; ++r) part[r] = qr.partial(k_pool + rows[p + r]);
-      _mm512_storeu_ps(sg + p, _mm512_mul_ps(sum16x16(part), post));
+    for (; p + kLanes <= len; p += kLanes) {
+      VecF part[kLanes];
+      for (int r = 0; r < kLanes; ++r) part[r] = qr.partial(k_pool + rows[p + r]);
+      vstore(sg + p, vmul(sum_lanes(part), post));
     }
-    for (; p < len; ++p) sg[p] = _mm512_reduce_add_ps(qr.partial(k_pool + rows[p])) * qr.post;
+    for (; p < len; ++p) sg[p] = vsum(qr.partial(k_pool + rows[p])) * qr.post;
     const float total = softmax_numerators(sg, len);
     alignas(64) float row[DIM];
     WeightedV<S, DIM>::run(v_pool, rows.data(), sg, len, row);
@@ -444,7 +483,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
     auto* op = ptr<S>(out);
     const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
     auto pair_fn = dim == 64 ? &attend_pair<S, 64> : dim == 128 ? &attend_pair<S, 128> : &attend_pair<S, 0>;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     if constexpr (!std::is_same_v<S, F16>) {
       if (dim == 64) pair_fn = &attend_pair_vec<S, 64>;
       if (dim == 128) pair_fn = &attend_pair_vec<S, 128>;
@@ -904,7 +943,8 @@ at::Tensor q4_linear_portable(const at::Tensor& x, const at::Tensor& packed, con
 // A weight matmul as the Python model holds it (model/llama.py, fused_layer_args):
 // kind 0 = F.linear(x, w, bias); 1 = torch's CPU int4 matmul (w packed, aux its scales and
 // zeros, groups of 32); 2 = oneDNN with a pre-packed weight (model/gemm.py's PackedLinear);
-// 3 = q4_linear (w as q4_pack made it).
+// 3 = q4_linear (w as q4_pack made it); 4 = kind 2 with the weight packed in float32 for a
+// bfloat16 model on a CPU without bfloat16 matmuls: x widened, the output rounded back to x's dtype.
 at::Tensor run_linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& aux,
                       const std::optional<at::Tensor>& bias) {
   if (kind == 0) return at::linear(x, w, bias);
@@ -916,12 +956,12 @@ at::Tensor run_linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
     RECORD_FUNCTION("tinyllm::q4_linear", std::vector<c10::IValue>());
     return q4_linear(x, w, bias);
   }
-  TORCH_CHECK(kind == 2, "unknown linear kind ", kind);
+  TORCH_CHECK(kind == 2 || kind == 4, "unknown linear kind ", kind);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x, w, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
-                                 std::optional<std::string>(std::string())};
+  std::vector<c10::IValue> stack{kind == 4 ? x.to(at::kFloat) : x, w, bias, std::string("none"),
+                                 c10::List<std::optional<at::Scalar>>(), std::optional<std::string>(std::string())};
   op.callBoxed(&stack);
-  return stack[0].toTensor();
+  return kind == 4 ? stack[0].toTensor().to(x.scalar_type()) : stack[0].toTensor();
 }
 
 // pool[slots[t]] = rows[t] for every row of the step: the K/V write, as index_copy_ does it

@@ -5,10 +5,18 @@ EPYC it runs a path 2-3x slower than the machine allows (measured on Zen 5, 2 co
 GFLOP/s at 16 rows, 229 vs 515 at 1536 rows on SmolLM2's shapes). oneDNN picks kernels by ISA,
 and with the weight reordered once into its blocked layout it skips the per-call reorder too.
 
+bfloat16 on a CPU without bfloat16 instructions (no AVX512-BF16 or AMX: AMD before Zen 4, Intel
+before Cooper Lake): oneDNN has no bfloat16 matmul there and ``F.linear`` falls back to ATen's
+generic loop, about 16 GFLOP/s on two Zen 3 cores against oneDNN's ~120 in float32. There the
+weights are packed in float32 (``onednn-f32``: the bfloat16 values exactly, twice the memory) and
+each matmul widens its bfloat16 input, accumulates in float32 and rounds the output once to
+bfloat16, which is what a bfloat16 matmul with float32 accumulation computes.
+
 Invariants:
 - ``PackedLinear(x)`` equals ``F.linear(x, weight, bias)`` up to float32 summation order; the
   tests compare whole models against transformers to 1e-4 with packing on.
 - Packing is CPU-only and only for float32 and bfloat16; everything else keeps ``nn.Linear``.
+- A widened ``PackedLinear`` takes and returns the model's dtype like any other linear.
 - A packed weight is an opaque oneDNN tensor: the model cannot be moved or saved after packing
   (it is packed as the last step of loading).
 """
@@ -43,35 +51,45 @@ def onednn_usable(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def resolve_gemm(name: str, dtype: torch.dtype, device: torch.device) -> str:
-    """'auto' -> 'onednn' where usable, else 'torch'. An explicit 'onednn' that cannot run is an error."""
+    """'auto' -> 'onednn' where usable; for bfloat16 where only float32 oneDNN runs, 'onednn-f32'
+    (module docstring); else 'torch'. An explicit 'onednn' that cannot run is an error."""
     if name == "torch":
         return "torch"
-    usable = onednn_usable(dtype, device)
-    if name == "onednn" and not usable:
+    if onednn_usable(dtype, device):
+        return "onednn"
+    if dtype == torch.bfloat16 and onednn_usable(torch.float32, device):
+        return "onednn-f32"
+    if name == "onednn":
         raise ValueError(f"gemm 'onednn' needs a CPU torch build with oneDNN and float32 or bfloat16 "
                          f"(here: {device.type}, {str(dtype).removeprefix('torch.')})")
-    return "onednn" if usable else "torch"
+    return "torch"
 
 
 class PackedLinear(nn.Module):
-    """``F.linear`` through oneDNN, with the weight reordered once into oneDNN's blocked layout."""
+    """``F.linear`` through oneDNN, with the weight reordered once into oneDNN's blocked layout.
+    ``widen``: the weight is packed in float32 and each call computes in float32, returning the
+    input's dtype (``onednn-f32``)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None):
+    def __init__(self, weight: Tensor, bias: Tensor | None, widen: bool = False):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
-        self.bias = None if bias is None else bias.detach().contiguous()
+        self.widen = widen
+        store = (lambda t: t.detach().float().contiguous()) if widen else (lambda t: t.detach().contiguous())
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(store(weight), _ROWS_HINT)
+        self.bias = None if bias is None else store(bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.widen:
+            return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none", [], "").to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn{'-f32' if self.widen else ''}"
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Replace every ``nn.Linear`` in ``model`` with a ``PackedLinear``."""
+def pack_linears(model: nn.Module, widen: bool = False) -> None:
+    """Replace every ``nn.Linear`` in ``model`` with a ``PackedLinear`` (``widen``: in float32)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, PackedLinear(child.weight, child.bias, widen))

@@ -278,8 +278,8 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
     model.inv_freq = model.inv_freq.float()
     model = model.eval().requires_grad_(False)
     model.gemm = resolve_gemm(gemm, dtype, torch.device(device))
-    if model.gemm == "onednn":
-        pack_linears(model)
+    if model.gemm in ("onednn", "onednn-f32"):
+        pack_linears(model, widen=model.gemm == "onednn-f32")
     model.quant = "gguf" if quantized else "none"
     use_native_ops(model, native.load() if torch.device(device).type == "cpu" else False)
     return model
@@ -312,13 +312,13 @@ def fused_layer_args(layer: DecoderLayer) -> tuple | None:
 
 def _linear_spec(m: nn.Module) -> tuple | None:
     """(weight, kind, aux, bias) in the kernel's terms: 0 F.linear, 1 torch int4, 2 oneDNN packed,
-    3 tinyllm's 4-bit layout."""
+    3 tinyllm's 4-bit layout, 4 oneDNN packed in float32 for a bfloat16 model (gemm.py)."""
     if isinstance(m, Int4Linear):
         return m.packed, 1, m.scales_zeros, m.bias
     if isinstance(m, Q4Linear):
         return m.packed, 3, None, m.bias
     if isinstance(m, PackedLinear):
-        return m.packed, 2, None, m.bias
+        return m.packed, 4 if m.widen else 2, None, m.bias
     if type(m) is nn.Linear:
         return m.weight, 0, None, m.bias
     return None
