@@ -230,15 +230,23 @@ def test_fused_layer_equals_the_python_layer_exactly(model_name, request):
     assert model.layers[0].fused_args is not None
     kinds = {k for layer in model.layers for k in layer.fused_args[1]}
     assert kinds == ({2} if model.gemm == "onednn" else {0})
+    assert_fused_equals_ops(model, torch.float32)
+
+
+def assert_fused_equals_ops(model, dtype: torch.dtype) -> None:
+    """Greedy tokens and log-probabilities of the one-call layer and of the Python layer (with
+    the fused elementwise kernels) on the same requests, bitwise equal."""
     reqs = make_requests(n=4, seed=5, logprobs=3)
     assert all(r.params.logprobs == 3 for r in reqs)
     results = {}
-    for dense in ("fused", "ops"):
-        set_dense_path(model, dense)
-        cache = PagedKVCache(model.cfg, 64, 4, torch.float32, "cpu", attention="kernel")
-        outs, _ = run(model, cache, reqs, max_prefill_tokens=16)
-        results[dense] = [(o.token_ids, o.logprobs) for o in outs]
-    use_native_ops(model, True)
+    try:
+        for dense in ("fused", "ops"):
+            set_dense_path(model, dense)
+            cache = PagedKVCache(model.cfg, 64, 4, dtype, "cpu", attention="kernel")
+            outs, _ = run(model, cache, reqs, max_prefill_tokens=16)
+            results[dense] = [(o.token_ids, o.logprobs) for o in outs]
+    finally:
+        use_native_ops(model, True)
     assert all(lp for _, lp in results["fused"])  # log-probabilities were produced, so compared
     assert results["fused"] == results["ops"]
 
@@ -258,15 +266,7 @@ def test_fused_layer_runs_widened_bf16_linears_exactly(monkeypatch, llama_dir):
     if model.gemm != "onednn-f32":
         pytest.skip("torch built without oneDNN")
     assert {k for layer in model.layers for k in layer.fused_args[1]} == {4}
-    reqs = make_requests(n=4, seed=5, logprobs=3)
-    results = {}
-    for dense in ("fused", "ops"):
-        set_dense_path(model, dense)
-        cache = PagedKVCache(model.cfg, 64, 4, torch.bfloat16, "cpu", attention="kernel")
-        outs, _ = run(model, cache, reqs, max_prefill_tokens=16)
-        results[dense] = [(o.token_ids, o.logprobs) for o in outs]
-    assert all(lp for _, lp in results["fused"])
-    assert results["fused"] == results["ops"]
+    assert_fused_equals_ops(model, torch.bfloat16)
 
 
 def test_kernel_attention_on_another_device_is_one_sentence():
