@@ -17,7 +17,8 @@ Precision rows (``--dtypes``): ``float32`` / ``bfloat16`` (weights and compute);
 with ``--config`` (configs/fast.yaml: ``quant: gguf``, bf16 activations) and llama.cpp on one
 Q4_1 GGUF that ``llama-quantize`` makes from the shape's f32 GGUF (Q8_0 embedding, as the default
 model's own file), OpenVINO GenAI on its NNCF int4 export (asymmetric, group 128 where it
-divides the rows, else NNCF's adjusted group, every layer (ratio 1.0), bf16 compute and K/V);
+divides the rows, else NNCF's adjusted group, every layer (ratio 1.0), bf16 compute and K/V, or
+f32 compute and K/V on a CPU without bf16 instructions, where OpenVINO's paged attention refuses bf16 K/V);
 ``q4_1``: the default model's own file (below).
 
 What each engine measures (every timer covers generation only unless the row says otherwise):
@@ -757,13 +758,23 @@ class VLLMEngine(WorkerEngine):
 OV_PRECISION = {"float32": ("f32", "f32"), "bfloat16": ("bf16", "bf16"), INT4: ("bf16", "bf16")}
 
 
+def ov_precision(dtype: str, cpu: dict) -> tuple[str, str]:
+    """The row's OpenVINO settings on this CPU. Without bf16 instructions (no AVX512-BF16 or AMX:
+    AVX2 builds) OpenVINO's paged attention takes only f32 K/V ("expect kvcache type f32"), so
+    there the int4 row computes in f32 with f32 K/V; the bf16 row stays as asked (it cannot run
+    there, and the table says so)."""
+    if dtype == INT4 and not (cpu["avx512_bf16"] or cpu["amx"]):
+        return "f32", "f32"
+    return OV_PRECISION[dtype]
+
+
 class OpenVINOEngine(WorkerEngine):
     """OpenVINO GenAI's ``ContinuousBatchingPipeline.generate`` in compare_openvino_worker.py."""
 
     name = "OpenVINO GenAI"
 
     def __init__(self, py: Path, ov_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
-        precision, kv_precision = OV_PRECISION[dtype]
+        precision, kv_precision = ov_precision(dtype, cpu_info())
         cmd = [str(py), str(OV_WORKER), "serve", "--model", str(ov_dir), "--precision", precision,
                "--kv-precision", kv_precision, "--kv-gb", str(kv_gib), "--threads", "2"]
         super().__init__(cmd, os.environ | {"PYTHONUNBUFFERED": "1"}, logfile, timeout)

@@ -290,3 +290,14 @@ def test_prompt_texts_and_text_windows(tmp_path):
         ce.text_windows(stream, [101], seed=0)
     for path in ce.TEXT_SOURCES:  # the real shape's sources are in the repository
         assert (REPO / path).exists(), path
+
+
+def test_openvino_int4_row_computes_in_f32_where_the_cpu_has_no_bf16():
+    """OpenVINO's AVX2 paged attention refuses bf16 K/V, so its int4 row runs f32 there; the
+    bf16 row keeps what it asks for (and is reported as unable to run)."""
+    avx2 = {"avx512_bf16": False, "amx": False}
+    assert ce.ov_precision(ce.INT4, avx2) == ("f32", "f32")
+    assert ce.ov_precision(ce.INT4, {"avx512_bf16": True, "amx": False}) == ("bf16", "bf16")
+    assert ce.ov_precision(ce.INT4, {"avx512_bf16": False, "amx": True}) == ("bf16", "bf16")
+    assert ce.ov_precision("bfloat16", avx2) == ("bf16", "bf16")
+    assert ce.ov_precision("float32", avx2) == ("f32", "f32")
