@@ -773,8 +773,9 @@ class OpenVINOEngine(WorkerEngine):
 
     name = "OpenVINO GenAI"
 
-    def __init__(self, py: Path, ov_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
-        precision, kv_precision = ov_precision(dtype, cpu_info())
+    def __init__(self, py: Path, ov_dir: Path, precisions: tuple[str, str], logfile: Path, kv_gib: int,
+                 timeout: float):
+        precision, kv_precision = precisions  # ov_precision's
         cmd = [str(py), str(OV_WORKER), "serve", "--model", str(ov_dir), "--precision", precision,
                "--kv-precision", kv_precision, "--kv-gb", str(kv_gib), "--threads", "2"]
         super().__init__(cmd, os.environ | {"PYTHONUNBUFFERED": "1"}, logfile, timeout)
@@ -1025,14 +1026,16 @@ def row_factories(cmp: Comparison, ctx: dict, shape: str, dtype: str) -> dict:
         return default_model_factories(cmp, ctx) if shape == "135m" else {}
     if dtype == INT4:
         return {"tinyllm": lambda: TinyEngine(str(ctx["q4_gguf"](shape)), None, a.config, kv),
-                "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "int4"), dtype,
-                                                   a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout),
+                "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "int4"),
+                                                   ov_precision(dtype, cmp.cpu), a.cache_dir / "openvino-runs.log",
+                                                   kv, a.vllm_timeout),
                 "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
     hf_dir = ctx["hf_dir"](shape)
     return {"tinyllm": lambda: TinyEngine(str(hf_dir), dtype, a.batch_config, kv),
             "hf": lambda: HFEngine(hf_dir, dtype),
-            "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "fp32"), dtype,
-                                               a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout),
+            "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "fp32"),
+                                               ov_precision(dtype, cmp.cpu), a.cache_dir / "openvino-runs.log",
+                                               kv, a.vllm_timeout),
             "vllm": lambda: VLLMEngine(ctx["vllm_py"](), hf_dir, dtype, a.cache_dir / "vllm-runs.log", kv,
                                        a.vllm_timeout),
             "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
