@@ -81,6 +81,15 @@ def peak_cache(tmp_path_factory):
     os.environ["TINYLLM_PEAK_CACHE"] = str(tmp_path_factory.mktemp("peak") / "peak.json")
 
 
+@pytest.fixture
+def no_bf16_onednn(monkeypatch):
+    """oneDNN without bfloat16 matmuls, as on a CPU lacking AVX512-BF16 and AMX (float32 still
+    runs), so the ``onednn-f32`` path is tested on every CPU."""
+    from tinyllm_cli.model import gemm
+    real = gemm.onednn_usable
+    monkeypatch.setattr(gemm, "onednn_usable", lambda dtype, device: dtype != torch.bfloat16 and real(dtype, device))
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     import transformers

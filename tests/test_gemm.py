@@ -61,15 +61,12 @@ def test_widened_packed_linear_is_a_bf16_matmul_with_fp32_accumulation(rows):
     assert "onednn-f32" in repr(lin)
 
 
-def test_bf16_without_bf16_matmuls_packs_in_fp32(monkeypatch, llama_dir):
+def test_bf16_without_bf16_matmuls_packs_in_fp32(no_bf16_onednn, llama_dir):
     """Where oneDNN has no bfloat16 matmul (monkeypatched here, so every CPU runs this), a
     bfloat16 model's linears pack in float32 ('onednn-f32') and give the logits of the plain
     bfloat16 F.linear path."""
-    from tinyllm_cli.model import gemm
     if not onednn_usable(torch.float32, CPU):
         pytest.skip("torch built without oneDNN")
-    real = gemm.onednn_usable
-    monkeypatch.setattr(gemm, "onednn_usable", lambda dtype, device: dtype != torch.bfloat16 and real(dtype, device))
     assert resolve_gemm("auto", torch.bfloat16, CPU) == resolve_gemm("onednn", torch.bfloat16, CPU) == "onednn-f32"
     assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
     ck = load_checkpoint(str(llama_dir), progress=False)

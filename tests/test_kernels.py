@@ -252,15 +252,12 @@ def assert_fused_equals_ops(model, dtype: torch.dtype) -> None:
 
 
 @needs_kernels
-def test_fused_layer_runs_widened_bf16_linears_exactly(monkeypatch, llama_dir):
+def test_fused_layer_runs_widened_bf16_linears_exactly(no_bf16_onednn, llama_dir):
     """A bfloat16 model whose linears pack in float32 (onednn-f32, forced here on every CPU):
     the one-call layer's linear kind 4 gives the Python layer's tokens and log-probabilities
     bitwise."""
-    from tinyllm_cli.model import gemm
     from tinyllm_cli.model.checkpoint import load_checkpoint
     from tinyllm_cli.model.llama import build_model
-    real = gemm.onednn_usable
-    monkeypatch.setattr(gemm, "onednn_usable", lambda dtype, device: dtype != torch.bfloat16 and real(dtype, device))
     ck = load_checkpoint(str(llama_dir), progress=False)
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
     if model.gemm != "onednn-f32":
