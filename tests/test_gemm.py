@@ -1,6 +1,7 @@
-"""The oneDNN packed-weight matmul path (``model/gemm.py``) against plain ``F.linear``, and the
-choice between the two (``gemm: auto | onednn | torch``). Whole-model equivalence with packing on
-is covered by test_model_vs_hf (transformers) and test_engine (no-cache recompute)."""
+"""The packed-weight matmul paths (``model/gemm.py``: oneDNN, and tinyllm's ``panel_linear``)
+against plain ``F.linear``, and the choice between them (``gemm: auto | panel | onednn | torch``).
+Whole-model equivalence with the default path is covered by test_model_vs_hf (transformers) and
+test_engine (no-cache recompute); the panel path is forced here on every CPU that can run it."""
 
 from __future__ import annotations
 
@@ -11,11 +12,25 @@ from torch import nn
 
 from tinyllm_cli.cli import main
 from tinyllm_cli.model.checkpoint import load_checkpoint
-from tinyllm_cli.model.gemm import PackedLinear, onednn_usable, resolve_gemm
+from tinyllm_cli import kernels
+from tinyllm_cli.model import gemm as gemm_module
+from tinyllm_cli.model.gemm import PackedLinear, PanelLinear, onednn_usable, panel_usable, resolve_gemm
 from tinyllm_cli.model.llama import build_model
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(not onednn_usable(torch.float32, CPU), reason="torch built without oneDNN")
+needs_panel = pytest.mark.skipif(not panel_usable(torch.float32, CPU),
+                                 reason="tinyllm's kernels did not build, or not with AVX2 / AVX-512")
+
+
+def auto_gemm(dtype: torch.dtype) -> str:
+    """What 'auto' must resolve to here, from the rule in gemm.py's docstring."""
+    onednn = gemm_module.onednn_usable  # looked up at call time: the no_bf16_onednn fixture replaces it
+    if panel_usable(dtype, CPU) and kernels.panel_isa() == "avx2" and (dtype == torch.float32 or not onednn(dtype, CPU)):
+        return "panel"
+    if onednn(dtype, CPU):
+        return "onednn"
+    return "onednn-f32" if dtype == torch.bfloat16 and onednn(torch.float32, CPU) else "torch"
 
 
 @needs_onednn
@@ -67,10 +82,10 @@ def test_bf16_without_bf16_matmuls_packs_in_fp32(no_bf16_onednn, llama_dir):
     bfloat16 F.linear path."""
     if not onednn_usable(torch.float32, CPU):
         pytest.skip("torch built without oneDNN")
-    assert resolve_gemm("auto", torch.bfloat16, CPU) == resolve_gemm("onednn", torch.bfloat16, CPU) == "onednn-f32"
-    assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
+    assert resolve_gemm("onednn", torch.bfloat16, CPU) == "onednn-f32"
+    assert resolve_gemm("auto", torch.bfloat16, CPU) == auto_gemm(torch.bfloat16) in ("panel", "onednn-f32")
     ck = load_checkpoint(str(llama_dir), progress=False)
-    wide = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", "auto")
+    wide = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", "onednn")
     plain = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", "torch")
     assert wide.gemm == "onednn-f32" and all(m.widen for m in wide.modules() if isinstance(m, PackedLinear))
     assert sum(isinstance(m, PackedLinear) for m in wide.modules()) == 4 * ck.config.num_layers + 1
@@ -91,10 +106,102 @@ def test_resolve_gemm_choices():
     assert resolve_gemm("auto", torch.float32, torch.device("cuda")) == "torch"
     with pytest.raises(ValueError, match="onednn"):
         resolve_gemm("onednn", torch.float16, CPU)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert resolve_gemm("auto", dtype, CPU) == auto_gemm(dtype)
     if onednn_usable(torch.float32, CPU):
-        assert resolve_gemm("auto", torch.float32, CPU) == "onednn"
+        assert resolve_gemm("onednn", torch.float32, CPU) == "onednn"
         # bfloat16: natively where oneDNN has bfloat16 matmuls, else packed in float32
-        assert resolve_gemm("auto", torch.bfloat16, CPU) == ("onednn" if onednn_usable(torch.bfloat16, CPU) else "onednn-f32")
+        assert resolve_gemm("onednn", torch.bfloat16, CPU) == ("onednn" if onednn_usable(torch.bfloat16, CPU) else "onednn-f32")
+    with pytest.raises(ValueError, match="panel"):
+        resolve_gemm("panel", torch.float16, CPU)
+    with pytest.raises(ValueError, match="panel"):
+        resolve_gemm("panel", torch.float32, torch.device("cuda"))
+    if panel_usable(torch.float32, CPU):
+        assert resolve_gemm("panel", torch.float32, CPU) == resolve_gemm("panel", torch.bfloat16, CPU) == "panel"
+
+
+def test_auto_never_picks_the_panel_kernel_without_kernels():
+    """TINYLLM_KERNELS=0 (in a fresh process: kernels load once per process): 'auto' resolves to
+    oneDNN, and an explicit 'panel' is one sentence naming why."""
+    import subprocess
+    import sys
+    code = ("import torch\n"
+            "from tinyllm_cli.model.gemm import resolve_gemm\n"
+            "print(resolve_gemm('auto', torch.float32, torch.device('cpu')))\n"
+            "try:\n    resolve_gemm('panel', torch.float32, torch.device('cpu'))\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = {**__import__("os").environ, "TINYLLM_KERNELS": "0"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    auto, refused = p.stdout.splitlines()
+    assert auto == ("onednn" if onednn_usable(torch.float32, CPU) else "torch")
+    assert refused.startswith("gemm 'panel' needs tinyllm's CPU kernels") and "TINYLLM_KERNELS=0" in refused
+
+
+@needs_panel
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_equals_f_linear_fp32(rows, bias):
+    """Row counts around the 6-row tile and past the register blocking; 200 outputs end in a
+    partial panel (200 is not a multiple of 16 or 32)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=g)
+    b = torch.randn(200, generator=g) if bias else None
+    x = torch.randn(rows, 96, generator=g)
+    lin = PanelLinear(w, b)
+    got, ref = lin(x), F.linear(x, w, b)
+    assert got.shape == ref.shape == (rows, 200) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    assert lin.packed.shape == w.shape and not torch.equal(lin.packed, w)  # the same bytes, reordered
+    assert "panel" in repr(lin)
+
+
+@needs_panel
+def test_panel_linear_takes_strided_and_batched_rows():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 48, generator=g)
+    x = torch.randn(10, 96, generator=g)[:, ::2]  # a strided view, as a split/select can hand it over
+    assert not x.is_contiguous()
+    torch.testing.assert_close(PanelLinear(w, None)(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, 5, 48, generator=g)  # leading dimensions are kept
+    torch.testing.assert_close(PanelLinear(w, None)(x3), F.linear(x3, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_panel
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 300])
+def test_bf16_panels_are_a_bf16_matmul_with_fp32_accumulation(rows):
+    """bfloat16 weights stay bfloat16 in the panels (half the bytes of onednn-f32) and widen
+    exactly: bfloat16 in and out, the float32 product rounded once. Up to 3 rows read the
+    bfloat16 panels directly, more widen each panel once into a buffer: both ways are covered."""
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(200, 96, generator=g).bfloat16(), torch.randn(200, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    lin = PanelLinear(w, b)
+    got = lin(x)
+    assert got.dtype == torch.bfloat16 and lin.packed.dtype == torch.bfloat16
+    ref = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-5)  # one bfloat16 rounding
+
+
+@needs_panel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_model_packs_every_linear_and_matches_the_torch_path(llama_dir, dtype):
+    ck = load_checkpoint(str(llama_dir), progress=False)
+    panel = build_model(ck.config, ck.weights, dtype, "cpu", "panel")
+    plain = build_model(ck.config, ck.weights, dtype, "cpu", "torch")
+    assert panel.gemm == "panel" and not any(isinstance(m, nn.Linear) for m in panel.modules())
+    assert sum(isinstance(m, PanelLinear) for m in panel.modules()) == 4 * ck.config.num_layers + 1
+    if kernels.load():
+        assert {k for layer in panel.layers for k in layer.fused_args[1]} == {5}
+
+    from tinyllm_cli.cache.attention import NoCacheAttention
+    ids = torch.randint(3, ck.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(25), torch.arange(15)])
+    with torch.inference_mode():
+        a = panel(ids, pos, NoCacheAttention([25, 15]), None)
+        b = plain(ids, pos, NoCacheAttention([25, 15]), None)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # bfloat16: activations round, summation order differs
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 @needs_onednn

@@ -225,11 +225,12 @@ def test_engine_paths_equal_no_cache_recompute(tiny_model, kind, attention, dens
 @pytest.mark.parametrize("model_name", ["tiny_model", "tiny_torch_gemm"])
 def test_fused_layer_equals_the_python_layer_exactly(model_name, request):
     """The one-call layer runs the same ops in the same order as the Python layer on the native
-    path, for oneDNN-packed and plain weights: logits and log-probabilities are bitwise equal."""
+    path, for the default packed weights (oneDNN or panels, by CPU) and plain ones: logits and
+    log-probabilities are bitwise equal."""
     model = request.getfixturevalue(model_name)
     assert model.layers[0].fused_args is not None
     kinds = {k for layer in model.layers for k in layer.fused_args[1]}
-    assert kinds == ({2} if model.gemm == "onednn" else {0})
+    assert kinds == {{"onednn": 2, "panel": 5, "torch": 0}[model.gemm]}
     assert_fused_equals_ops(model, torch.float32)
 
 
@@ -259,11 +260,27 @@ def test_fused_layer_runs_widened_bf16_linears_exactly(no_bf16_onednn, llama_dir
     from tinyllm_cli.model.checkpoint import load_checkpoint
     from tinyllm_cli.model.llama import build_model
     ck = load_checkpoint(str(llama_dir), progress=False)
-    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", "onednn")
     if model.gemm != "onednn-f32":
         pytest.skip("torch built without oneDNN")
     assert {k for layer in model.layers for k in layer.fused_args[1]} == {4}
     assert_fused_equals_ops(model, torch.bfloat16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_runs_panel_linears_exactly(llama_dir, dtype):
+    """gemm 'panel' (forced on every CPU that runs it): the one-call layer's linear kind 5 gives
+    the Python layer's tokens and log-probabilities bitwise."""
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    from tinyllm_cli.model.gemm import panel_usable
+    from tinyllm_cli.model.llama import build_model
+    if not panel_usable(dtype, torch.device("cpu")):
+        pytest.skip("the kernels were built without AVX2 / AVX-512")
+    ck = load_checkpoint(str(llama_dir), progress=False)
+    model = build_model(ck.config, ck.weights, dtype, "cpu", "panel")
+    assert {k for layer in model.layers for k in layer.fused_args[1]} == {5}
+    assert_fused_equals_ops(model, dtype)
 
 
 def test_kernel_attention_on_another_device_is_one_sentence():

@@ -105,7 +105,7 @@ class Config:
 SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "sampling": SamplingConfig,
             "parallel": ParallelConfig, "speculative": SpeculativeConfig}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-GEMMS = ("auto", "onednn", "torch")  # see model/gemm.py
+GEMMS = ("auto", "panel", "onednn", "torch")  # see model/gemm.py
 QUANTS = ("none", "gguf")  # see model/quant.py
 
 

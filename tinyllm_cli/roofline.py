@@ -109,7 +109,7 @@ def model_weight_bytes(model) -> int:
     for m in mods:
         for sub in m.modules():
             ts = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
-            packed = getattr(sub, "packed", None)  # PackedLinear keeps its oneDNN tensor unregistered
+            packed = getattr(sub, "packed", None)  # Packed/PanelLinear keep their weight unregistered
             ts += [packed] if isinstance(packed, torch.Tensor) else []
             for t in ts:
                 if id(t) not in seen:
@@ -206,8 +206,12 @@ def peak_cache_path() -> Path:
 
 
 def peak_key(dtype: torch.dtype, threads: int, shape: tuple[int, int]) -> str:
+    """Names everything the peak depends on, the matmul paths measured included (a peak cached
+    before a new path existed is not this path's peak)."""
+    from .model.gemm import resolve_gemm
+    paths = resolve_gemm("auto", dtype, torch.device("cpu"))
     return f"{cpu_name()} | {str(dtype).removeprefix('torch.')} | {threads} threads | torch {torch.__version__} " \
-           f"| {shape[0]}x{shape[1]}"
+           f"| {shape[0]}x{shape[1]} | gemm {paths}"
 
 
 def _read_cache(path: Path) -> dict:
@@ -272,13 +276,13 @@ def _best_seconds(fn, budget: float) -> float:
 
 def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], budget: float) -> dict[str, dict[str, float]]:
     """GFLOP/s of x[rows, hidden] @ W[FFN, hidden]^T per matmul path and row count."""
-    from .model.gemm import PackedLinear, resolve_gemm
+    from .model.gemm import linear_for, resolve_gemm
     k, n = shape
     w = torch.randn(n, k).to(dtype)
     paths = {"torch": partial(F.linear, weight=w)}
-    packed = resolve_gemm("auto", dtype, torch.device("cpu"))  # 'onednn', 'onednn-f32' or 'torch'
+    packed = resolve_gemm("auto", dtype, torch.device("cpu"))  # 'panel', 'onednn', 'onednn-f32' or 'torch'
     if packed != "torch":
-        paths[packed] = PackedLinear(w, None, widen=packed == "onednn-f32")
+        paths[packed] = linear_for(packed, w, None)
     slice_s = budget / (len(paths) * len(PEAK_ROWS))
     out: dict[str, dict[str, float]] = {}
     with torch.inference_mode():

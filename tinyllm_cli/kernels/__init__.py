@@ -333,6 +333,21 @@ def int8_linear(x, q, scale, float32_out: bool = False):
     return torch.ops.tinyllm.int8_linear(x, q, scale, float32_out)
 
 
+def panel_isa() -> str:
+    """The vector width ``panel_linear`` was built for: 'avx512', 'avx2', or '' (it cannot run)."""
+    return str(torch.ops.tinyllm.panel_isa())
+
+
+def panel_pack(w):
+    """w [N, K] float32 / bfloat16 -> the same shape and dtype, in ``panel_linear``'s order."""
+    return torch.ops.tinyllm.panel_pack(w)
+
+
+def panel_linear(x, w, bias=None):
+    """x [M, K] @ w^T (+ bias) in x's dtype, float32 accumulation, w as ``panel_pack`` made it."""
+    return torch.ops.tinyllm.panel_linear(x, w, bias)
+
+
 def rope_(x, cos, sin_signed):
     """Rotate x [T, heads, D] in place (``model.llama.apply_rope``'s math)."""
     return torch.ops.tinyllm.rope_(x, cos, sin_signed)

@@ -46,6 +46,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -241,6 +242,7 @@ constexpr int kLanes = 16;
 inline VecF vzero() { return _mm512_setzero_ps(); }
 inline VecF vset1(float f) { return _mm512_set1_ps(f); }
 inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, VecF v) { _mm512_storeu_ps(p, v); }
 inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
@@ -268,6 +270,7 @@ constexpr int kLanes = 8;
 inline VecF vzero() { return _mm256_setzero_ps(); }
 inline VecF vset1(float f) { return _mm256_set1_ps(f); }
 inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
@@ -936,13 +939,177 @@ at::Tensor q4_linear_portable(const at::Tensor& x, const at::Tensor& packed, con
   return q4_matmul(x, packed, bias, true);
 }
 
+// ---- panel_linear: tinyllm's own float32 matmul ---------------------------------------------
+
+// y [M, N] = x [M, K] @ w^T (+ bias), w as panel_pack laid it out: column panels of PANEL_NR
+// outputs, each stored k-major ([K][PANEL_NR]; the last, partial one [K][N % PANEL_NR]), in
+// float32 or bfloat16. Why: a decode step multiplies a few rows by every weight, and is bound by
+// reading the weights once; oneDNN's packed matmul streams them at about a third of the memory
+// bandwidth at 1-16 rows (model/gemm.py). Here each panel is read once per chunk of rows,
+// sequentially, and a 6-row x PANEL_NR register tile accumulates all K products in float32.
+// bfloat16 weights (half the bytes to read) widen exactly to float32: on load for up to 3 rows,
+// else once per panel and chunk into a buffer. Rows arrive and leave float32.
+// Thread t takes a contiguous range of panels, so each weight byte is read by one thread.
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr const char* kPanelIsa = kLanes == 16 ? "avx512" : "avx2";
+constexpr int64_t PANEL_NR = 2 * kLanes;
+constexpr int64_t PANEL_MR = 6;  // 6 x 2 accumulators + 2 weight vectors + 1 broadcast fit 16 AVX2 registers
+// Rows per chunk: the chunk's x rows (read once per panel) stay in L2/L3 while its panels stream.
+constexpr int64_t PANEL_CHUNK_BYTES = 2 << 20;
+
+template <int64_t R, typename W>
+inline void panel_tile(const float* x, int64_t k_len, const W* w, const float* bias, float* y, int64_t ldy,
+                       int64_t cols) {
+  VecF lo[R], hi[R];
+  for (int64_t r = 0; r < R; ++r) lo[r] = hi[r] = vzero();
+  for (int64_t k = 0; k < k_len; ++k) {
+    const VecF w0 = vload(w + k * PANEL_NR), w1 = vload(w + k * PANEL_NR + kLanes);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 8) * PANEL_NR), _MM_HINT_T0);
+    for (int64_t r = 0; r < R; ++r) {
+      const VecF a = vset1(x[r * k_len + k]);
+      lo[r] = vfma(a, w0, lo[r]);
+      hi[r] = vfma(a, w1, hi[r]);
+    }
+  }
+  // Whole-register stores only: an element-wise epilogue makes GCC keep the accumulators in
+  // memory through the k loop (measured 2x slower).
+  if (bias) {
+    const VecF b0 = vload(bias), b1 = vload(bias + kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      lo[r] = vadd(lo[r], b0);
+      hi[r] = vadd(hi[r], b1);
+    }
+  }
+  if (cols == PANEL_NR) {
+    for (int64_t r = 0; r < R; ++r) {
+      vstore(y + r * ldy, lo[r]);
+      vstore(y + r * ldy + kLanes, hi[r]);
+    }
+    return;
+  }
+  alignas(64) float out[PANEL_NR];
+  for (int64_t r = 0; r < R; ++r) {
+    vstore(out, lo[r]);
+    vstore(out + kLanes, hi[r]);
+    std::memcpy(y + r * ldy, out, cols * sizeof(float));
+  }
+}
+
+template <typename W>
+inline void panel_rows(int64_t rows, const float* x, int64_t k_len, const W* w, const float* bias, float* y,
+                       int64_t ldy, int64_t cols) {
+  switch (rows) {
+    case 6: return panel_tile<6>(x, k_len, w, bias, y, ldy, cols);
+    case 5: return panel_tile<5>(x, k_len, w, bias, y, ldy, cols);
+    case 4: return panel_tile<4>(x, k_len, w, bias, y, ldy, cols);
+    case 3: return panel_tile<3>(x, k_len, w, bias, y, ldy, cols);
+    case 2: return panel_tile<2>(x, k_len, w, bias, y, ldy, cols);
+    default: return panel_tile<1>(x, k_len, w, bias, y, ldy, cols);
+  }
+}
+
+// Panel p of w as float32 [K][PANEL_NR] into buf (the partial last panel zero-padded).
+template <typename S>
+void widen_panel(const typename S::T* w, int64_t n, int64_t k_len, int64_t p, float* buf) {
+  const int64_t cols = std::min<int64_t>(PANEL_NR, n - p * PANEL_NR);
+  const typename S::T* src = w + p * PANEL_NR * k_len;
+  if (cols == PANEL_NR) {
+    for (int64_t e = 0; e < k_len * PANEL_NR; e += kLanes) vstore(buf + e, vload(src + e));
+    return;
+  }
+  for (int64_t k = 0; k < k_len; ++k)
+    for (int64_t c = 0; c < PANEL_NR; ++c) buf[k * PANEL_NR + c] = c < cols ? S::ld(src[k * cols + c]) : 0.0f;
+}
+
+template <typename S>
+void panel_matmul(const float* x, int64_t m, int64_t k_len, const typename S::T* w, int64_t n, const float* bias,
+                  float* y) {
+  const int64_t panels = (n + PANEL_NR - 1) / PANEL_NR, full = n / PANEL_NR;
+  const int64_t chunk = std::max<int64_t>(PANEL_MR, PANEL_CHUNK_BYTES / (k_len * 4) / PANEL_MR * PANEL_MR);
+  // Tiny products run on one thread: a fork costs more than they do.
+  const int64_t grain = m * k_len * n < (1 << 16) ? panels : 1;
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    std::vector<float> buf;
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+      const int64_t m1 = std::min(m, m0 + chunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        // The tiles read float32 panels: a bfloat16 panel (and the partial last one) is widened
+        // once per chunk into buf, which stays in L1/L2 for the chunk's tiles. Widening on every
+        // tile's loads instead needs more than AVX2's 16 registers (GCC spills the accumulators).
+        // Up to 3 rows (a single stream's step) fit in registers with the widening, and read
+        // the bfloat16 panel directly: half the bytes of a float32 one.
+        const int64_t cols = std::min<int64_t>(PANEL_NR, n - p * PANEL_NR);
+        const float* b = bias ? bias + p * PANEL_NR : nullptr;
+        if (p < full && (std::is_same_v<typename S::T, float> || m1 - m0 <= 3)) {
+          for (int64_t r = m0; r < m1; r += PANEL_MR)
+            panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, w + p * PANEL_NR * k_len, b,
+                       y + r * n + p * PANEL_NR, n, cols);
+          continue;
+        }
+        buf.resize(k_len * PANEL_NR);
+        widen_panel<S>(w, n, k_len, p, buf.data());
+        for (int64_t r = m0; r < m1; r += PANEL_MR)
+          panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, buf.data(), b, y + r * n + p * PANEL_NR,
+                     n, cols);
+      }
+    }
+  });
+}
+#else
+constexpr const char* kPanelIsa = "";
+constexpr int64_t PANEL_NR = 16;
+#endif
+
+// The vector width panel_linear was built for: "avx512", "avx2", or "" where it cannot run.
+std::string panel_isa() { return kPanelIsa; }
+
+// w [N, K] float32 / bfloat16 -> the same shape and dtype, in panel_linear's order.
+at::Tensor panel_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+              "panel_pack: w must be float32 or bfloat16 [N, K]");
+  const int64_t n = w.size(0), k = w.size(1), full = n / PANEL_NR;
+  auto out = at::empty({n, k}, w.options()).view({-1});
+  auto panels = w.narrow(0, 0, full * PANEL_NR).view({full, PANEL_NR, k}).transpose(1, 2);
+  out.narrow(0, 0, full * PANEL_NR * k).view({full, k, PANEL_NR}).copy_(panels);
+  if (n > full * PANEL_NR)
+    out.narrow(0, full * PANEL_NR * k, (n - full * PANEL_NR) * k).view({k, n - full * PANEL_NR})
+        .copy_(w.narrow(0, full * PANEL_NR, n - full * PANEL_NR).t());
+  return out.view({n, k});
+}
+
+// x [M, K] float32 / bfloat16 @ w^T (+ bias) -> [M, N] in x's dtype (float32 accumulation,
+// rounded once), w as panel_pack made it.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(*kPanelIsa, "panel_linear needs a CPU with AVX2 or AVX-512");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(),
+              "panel_linear: x [M, K] and a packed w [N, K]");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  const auto xf = x.to(at::kFloat).contiguous();
+  at::Tensor b;
+  if (bias.has_value()) {  // padded to whole panels: a tile loads its PANEL_NR entries as vectors
+    TORCH_CHECK(bias->numel() == n, "panel_linear: bias must have N elements");
+    b = at::zeros({(n + PANEL_NR - 1) / PANEL_NR * PANEL_NR}, xf.options());
+    b.narrow(0, 0, n).copy_(*bias);
+  }
+  auto y = at::empty({m, n}, xf.options());
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (w.scalar_type() == at::kFloat)
+    panel_matmul<F32>(xf.data_ptr<float>(), m, k, w.data_ptr<float>(), n, bp, y.data_ptr<float>());
+  else
+    panel_matmul<BF16>(xf.data_ptr<float>(), m, k, ptr<BF16>(w), n, bp, y.data_ptr<float>());
+#endif
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 // ---- one decoder layer in one call ---------------------------------------------------------
 
 // A weight matmul as the Python model holds it (model/llama.py, fused_layer_args):
 // kind 0 = F.linear(x, w, bias); 1 = torch's CPU int4 matmul (w packed, aux its scales and
 // zeros, groups of 32); 2 = oneDNN with a pre-packed weight (model/gemm.py's PackedLinear);
 // 3 = q4_linear (w as q4_pack made it); 4 = kind 2 with the weight packed in float32 for a
-// bfloat16 model on a CPU without bfloat16 matmuls: x widened, the output rounded back to x's dtype.
+// bfloat16 model on a CPU without bfloat16 matmuls: x widened, the output rounded back to x's dtype;
+// 5 = panel_linear (w as panel_pack made it).
 at::Tensor run_linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& aux,
                       const std::optional<at::Tensor>& bias) {
   if (kind == 0) return at::linear(x, w, bias);
@@ -953,6 +1120,10 @@ at::Tensor run_linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
   if (kind == 3) {
     RECORD_FUNCTION("tinyllm::q4_linear", std::vector<c10::IValue>());
     return q4_linear(x, w, bias);
+  }
+  if (kind == 5) {
+    RECORD_FUNCTION("tinyllm::panel_linear", std::vector<c10::IValue>());
+    return panel_linear(x, w, bias);
   }
   TORCH_CHECK(kind == 2 || kind == 4, "unknown linear kind ", kind);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -1044,7 +1215,10 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def("q4_pack(Tensor codes, Tensor scale, Tensor min) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("q4_linear_portable(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("q4_fast() -> bool", &q4_fast);  // no tensor to dispatch on: one kernel for every key
+  m.def("q4_fast() -> bool", &q4_fast);
+  m.def("panel_isa() -> str", &panel_isa);
+  m.def("panel_pack(Tensor w) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");  // no tensor to dispatch on: one kernel for every key
   m.def("decoder_layer(Tensor(a!) x, Tensor? r, Tensor[] weights, int[] kinds, Tensor?[] aux, Tensor?[] biases, "
         "Tensor input_norm, Tensor post_norm, float eps, Tensor cos, Tensor sin_signed, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor row_seq, Tensor row_len, "
@@ -1061,6 +1235,8 @@ TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {
   m.impl("q4_pack", &q4_pack);
   m.impl("q4_linear", &q4_linear);
   m.impl("q4_linear_portable", &q4_linear_portable);
+  m.impl("panel_pack", &panel_pack);
+  m.impl("panel_linear", &panel_linear);
 }
 
 // oneDNN's packed weights are MkldnnCPU tensors, and the dispatcher routes a call by its

@@ -1,4 +1,5 @@
-"""How the model's weight matmuls run: plain ``F.linear`` or oneDNN with pre-packed weights.
+"""How the model's weight matmuls run: plain ``F.linear``, oneDNN with pre-packed weights, or
+tinyllm's own ``panel_linear`` kernel.
 
 Why: on CPU, ``F.linear`` in float32 goes to MKL, and MKL picks its kernels by CPU vendor. On AMD
 EPYC it runs a path 2-3x slower than the machine allows (measured on Zen 5, 2 cores: 76 vs 266
@@ -12,10 +13,24 @@ weights are packed in float32 (``onednn-f32``: the bfloat16 values exactly, twic
 each matmul widens its bfloat16 input, accumulates in float32 and rounds the output once to
 bfloat16, which is what a bfloat16 matmul with float32 accumulation computes.
 
+``panel`` (tinyllm's kernel, ``kernels/cpu_kernels.cpp``): weights stored once, in column panels
+of float32 or bfloat16, read sequentially once per step. A decode step multiplies a few rows by
+every weight and is bound by reading them; oneDNN's packed matmul streams weights at about a third
+of the memory bandwidth at 1-16 rows, this kernel near all of it (measured on Zen 3, 2 cores:
+1.3-1.6x oneDNN at 1-64 rows, 95-100% of it at 256-1024). A bfloat16 model keeps bfloat16 panels
+(half the bytes of ``onednn-f32``), widened exactly on load. ``auto`` picks it where it was
+measured to pay: kernels built for AVX2 without AVX-512. On AVX-512 CPUs ``auto`` keeps oneDNN (its
+large-step rate there is unmeasured against this kernel); ``gemm: panel`` selects it anywhere the
+kernels build with AVX2 or AVX-512.
+
 Invariants:
+- ``PanelLinear(x)`` equals ``F.linear(x, weight, bias)`` computed in float32 and rounded once to
+  x's dtype, up to float32 summation order.
 - ``PackedLinear(x)`` equals ``F.linear(x, weight, bias)`` up to float32 summation order; the
   tests compare whole models against transformers to 1e-4 with packing on.
 - Packing is CPU-only and only for float32 and bfloat16; everything else keeps ``nn.Linear``.
+- A panel weight has the weight's shape and dtype but not its element order: only
+  ``panel_linear`` reads it.
 - A widened ``PackedLinear`` takes and returns the model's dtype like any other linear.
 - A packed weight is an opaque oneDNN tensor: the model cannot be moved or saved after packing
   (it is packed as the last step of loading).
@@ -28,6 +43,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .. import kernels as native
 
 # oneDNN's reorder takes an expected row count; any hint >= 16 gave the same speed from 1 to
 # 1536 rows, while a hint of 1 was up to 2x slower at 16-32 rows.
@@ -50,11 +67,31 @@ def onednn_usable(dtype: torch.dtype, device: torch.device) -> bool:
     return bool(torch.allclose(y.float(), F.linear(x, w).float(), atol=tol, rtol=tol))
 
 
+def panel_usable(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when ``panel_linear`` runs here: CPU, float32 or bfloat16, kernels built with AVX2 or AVX-512."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native.load() and bool(native.panel_isa())
+
+
+def _panel_by_default(dtype: torch.dtype, device: torch.device) -> bool:
+    """'auto' picks the panel kernel where it was measured to pay (module docstring): an AVX2 build,
+    for float32, and for bfloat16 where oneDNN has no bfloat16 matmul."""
+    if not panel_usable(dtype, device) or native.panel_isa() != "avx2":
+        return False
+    return dtype == torch.float32 or not onednn_usable(dtype, device)
+
+
 def resolve_gemm(name: str, dtype: torch.dtype, device: torch.device) -> str:
-    """'auto' -> 'onednn' where usable; for bfloat16 where only float32 oneDNN runs, 'onednn-f32'
-    (module docstring); else 'torch'. An explicit 'onednn' that cannot run is an error."""
+    """'auto' -> 'panel' where it pays, else 'onednn' where usable; for bfloat16 where only float32
+    oneDNN runs, 'onednn-f32' (module docstring); else 'torch'. An explicit 'onednn' or 'panel' that
+    cannot run is an error."""
     if name == "torch":
         return "torch"
+    if name == "panel" or (name == "auto" and _panel_by_default(dtype, device)):
+        if panel_usable(dtype, device):
+            return "panel"
+        why = native.load_error() or "they were built for a CPU without AVX2"
+        raise ValueError(f"gemm 'panel' needs tinyllm's CPU kernels with AVX2 or AVX-512 and float32 or bfloat16 "
+                         f"(here: {device.type}, {str(dtype).removeprefix('torch.')}; kernels: {why})")
     if onednn_usable(dtype, device):
         return "onednn"
     if dtype == torch.bfloat16 and onednn_usable(torch.float32, device):
@@ -87,9 +124,39 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn{'-f32' if self.widen else ''}"
 
 
-def pack_linears(model: nn.Module, widen: bool = False) -> None:
-    """Replace every ``nn.Linear`` in ``model`` with a ``PackedLinear`` (``widen``: in float32)."""
+class PanelLinear(nn.Module):
+    """``F.linear`` through ``panel_linear``, the weight (float32 or bfloat16) laid out in column
+    panels once; each call computes in float32 and returns the input's dtype."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed = native.panel_pack(weight.detach().contiguous())  # unregistered, as PackedLinear's
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        return native.panel_linear(x.reshape(-1, self.in_features), self.packed, self.bias).view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, panel"
+
+
+def linear_for(gemm: str, weight: Tensor, bias: Tensor | None) -> nn.Module:
+    """The module that runs ``F.linear(x, weight, bias)`` on the resolved ``gemm`` path."""
+    if gemm == "panel":
+        return PanelLinear(weight, bias)
+    if gemm in ("onednn", "onednn-f32"):
+        return PackedLinear(weight, bias, widen=gemm == "onednn-f32")
+    raise ValueError(f"gemm {gemm!r} has no packed linear")
+
+
+def pack_linears(model: nn.Module, gemm: str) -> None:
+    """Replace every ``nn.Linear`` in ``model`` with the packed linear of the resolved ``gemm``
+    ('panel', 'onednn' or 'onednn-f32'; 'torch' keeps them)."""
+    if gemm == "torch":
+        return
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias, widen))
+                setattr(parent, name, linear_for(gemm, child.weight, child.bias))

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels as native
-from .gemm import PackedLinear, pack_linears, resolve_gemm
+from .gemm import PackedLinear, PanelLinear, pack_linears, resolve_gemm
 from . import quant as quant_forms
 from .quant import Int4Linear, Int8Embedding, Int8Head, Int8Rows, Q4Linear, QuantWeight, int4_linear, is_quantized
 
@@ -260,7 +260,7 @@ class LlamaModel(nn.Module):
 def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype, device: str,
                 gemm: str = "auto") -> LlamaModel:
     """Create the model on ``device`` from HF-named weights (``model.layers.N.self_attn.q_proj...``).
-    ``gemm`` is 'auto', 'onednn' or 'torch' (see ``gemm.py``); packing comes last because a
+    ``gemm`` is 'auto', 'panel', 'onednn' or 'torch' (see ``gemm.py``); packing comes last because a
     packed model can no longer be moved."""
     with torch.device("meta"):
         model = LlamaModel(cfg)
@@ -278,8 +278,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
     model.inv_freq = model.inv_freq.float()
     model = model.eval().requires_grad_(False)
     model.gemm = resolve_gemm(gemm, dtype, torch.device(device))
-    if model.gemm in ("onednn", "onednn-f32"):
-        pack_linears(model, widen=model.gemm == "onednn-f32")
+    pack_linears(model, model.gemm)
     model.quant = "gguf" if quantized else "none"
     use_native_ops(model, native.load() if torch.device(device).type == "cpu" else False)
     return model
@@ -312,13 +311,16 @@ def fused_layer_args(layer: DecoderLayer) -> tuple | None:
 
 def _linear_spec(m: nn.Module) -> tuple | None:
     """(weight, kind, aux, bias) in the kernel's terms: 0 F.linear, 1 torch int4, 2 oneDNN packed,
-    3 tinyllm's 4-bit layout, 4 oneDNN packed in float32 for a bfloat16 model (gemm.py)."""
+    3 tinyllm's 4-bit layout, 4 oneDNN packed in float32 for a bfloat16 model, 5 tinyllm's
+    panels (gemm.py)."""
     if isinstance(m, Int4Linear):
         return m.packed, 1, m.scales_zeros, m.bias
     if isinstance(m, Q4Linear):
         return m.packed, 3, None, m.bias
     if isinstance(m, PackedLinear):
         return m.packed, 4 if m.widen else 2, None, m.bias
+    if isinstance(m, PanelLinear):
+        return m.packed, 5, None, m.bias
     if type(m) is nn.Linear:
         return m.weight, 0, None, m.bias
     return None
