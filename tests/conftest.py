@@ -4,6 +4,8 @@ reference), and the real default model loaded once per session."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -79,6 +81,15 @@ def peak_cache(tmp_path_factory):
     """bench measures this CPU's peak by default (roofline.py): the tests' measurements go to a
     cache of their own, never the user's ~/.cache."""
     os.environ["TINYLLM_PEAK_CACHE"] = str(tmp_path_factory.mktemp("peak") / "peak.json")
+
+
+def run_without_kernels(code: str) -> subprocess.CompletedProcess:
+    """``python -c code`` with TINYLLM_KERNELS=0, in a fresh process (kernels load once per
+    process); it must exit 0."""
+    env = {**os.environ, "TINYLLM_KERNELS": "0"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p
 
 
 @pytest.fixture

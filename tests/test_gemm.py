@@ -12,6 +12,7 @@ from torch import nn
 
 from tinyllm_cli.cli import main
 from tinyllm_cli.model.checkpoint import load_checkpoint
+from conftest import run_without_kernels
 from tinyllm_cli import kernels
 from tinyllm_cli.model import gemm as gemm_module
 from tinyllm_cli.model.gemm import PackedLinear, PanelLinear, onednn_usable, panel_usable, resolve_gemm
@@ -123,16 +124,11 @@ def test_resolve_gemm_choices():
 def test_auto_never_picks_the_panel_kernel_without_kernels():
     """TINYLLM_KERNELS=0 (in a fresh process: kernels load once per process): 'auto' resolves to
     oneDNN, and an explicit 'panel' is one sentence naming why."""
-    import subprocess
-    import sys
-    code = ("import torch\n"
-            "from tinyllm_cli.model.gemm import resolve_gemm\n"
-            "print(resolve_gemm('auto', torch.float32, torch.device('cpu')))\n"
-            "try:\n    resolve_gemm('panel', torch.float32, torch.device('cpu'))\n"
-            "except ValueError as e:\n    print(e)\n")
-    env = {**__import__("os").environ, "TINYLLM_KERNELS": "0"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 0, p.stderr
+    p = run_without_kernels("import torch\n"
+                            "from tinyllm_cli.model.gemm import resolve_gemm\n"
+                            "print(resolve_gemm('auto', torch.float32, torch.device('cpu')))\n"
+                            "try:\n    resolve_gemm('panel', torch.float32, torch.device('cpu'))\n"
+                            "except ValueError as e:\n    print(e)\n")
     auto, refused = p.stdout.splitlines()
     assert auto == ("onednn" if onednn_usable(torch.float32, CPU) else "torch")
     assert refused.startswith("gemm 'panel' needs tinyllm's CPU kernels") and "TINYLLM_KERNELS=0" in refused

@@ -19,6 +19,7 @@ from tinyllm_cli.cache.attention import causal_attention, chunk_mask, decode_att
 from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
 from tinyllm_cli.model.llama import apply_rope, use_native_ops
 
+from conftest import run_without_kernels
 from test_engine import make_requests, preempting_blocks, reference_greedy, run
 
 # Only the tests that call the kernels carry this: where they did not build, conftest fails those
@@ -293,16 +294,14 @@ def test_kernel_attention_on_another_device_is_one_sentence():
 def test_disabled_kernels_fall_back_or_refuse(tiny_model):
     """TINYLLM_KERNELS=0: auto falls back to the gather path with a note; an explicit 'kernel' is
     a CacheError naming why (in a fresh process, since loading is once per process)."""
-    code = ("import torch, sys\n"
-            "from tinyllm_cli.cache.kv import PagedKVCache, CacheError\n"
-            "from tinyllm_cli.model.llama import ModelConfig\n"
-            "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
-            "print(PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n"
-            "try:\n    PagedKVCache(cfg, 4, 4, torch.float32, 'cpu', attention='kernel')\n"
-            "except CacheError as e:\n    print('refused:', e)\n")
-    env = {**__import__("os").environ, "TINYLLM_KERNELS": "0"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 0, p.stderr
+    p = run_without_kernels(
+        "import torch, sys\n"
+        "from tinyllm_cli.cache.kv import PagedKVCache, CacheError\n"
+        "from tinyllm_cli.model.llama import ModelConfig\n"
+        "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
+        "print(PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n"
+        "try:\n    PagedKVCache(cfg, 4, 4, torch.float32, 'cpu', attention='kernel')\n"
+        "except CacheError as e:\n    print('refused:', e)\n")
     assert p.stdout.splitlines() == ["gather", "refused: attention 'kernel' is unavailable: it did not build "
                                                 "(disabled by TINYLLM_KERNELS=0)"]
     assert "gather path" in p.stderr
