@@ -701,6 +701,7 @@ class WorkerEngine:
         self.timeout = timeout
         self.log = logfile.open("a", buffering=1)  # line-buffered: the log is readable while it runs
         self.log.write(f"\n$ {' '.join(cmd)}\n")
+        self.log_start = self.log.tell()  # where this worker's own output begins in the shared log
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, env=env)
         self.results: queue.Queue = queue.Queue()
@@ -718,12 +719,23 @@ class WorkerEngine:
     def _answer(self) -> dict:
         try:
             msg = self.results.get(timeout=self.timeout)
-        except queue.Empty:
-            msg = None
-        if msg is None:
+        except queue.Empty:  # silent past the timeout
             self.close()
-            raise Skip(f"the {self.name} worker died or hung (see {self.log.name})")
+            raise Skip(f"the {self.name} worker hung (see {self.log.name})") from None
+        if msg is None:  # its stdout closed: it exited
+            self.close()
+            why = self.last_words()
+            raise Skip(f"the {self.name} worker exited{f': {why}' if why else ''} (see {self.log.name})")
         return msg
+
+    def last_words(self) -> str | None:
+        """The last non-blank line this worker wrote to the log (an exception's message, typically),
+        cut to 200 characters; None when it wrote nothing."""
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            f.seek(self.log_start)
+            lines = [line.strip() for line in f.read().splitlines() if line.strip()]
+        return lines[-1][:200] if lines else None
 
     def run(self, prompts, output_len) -> Run:
         """The worker times its ``generate`` call alone; the pipe's round trip is not counted."""

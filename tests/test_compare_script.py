@@ -301,3 +301,18 @@ def test_openvino_int4_row_computes_in_f32_where_the_cpu_has_no_bf16():
     assert ce.ov_precision(ce.INT4, {"avx512_bf16": False, "amx": True}) == ("bf16", "bf16")
     assert ce.ov_precision("bfloat16", avx2) == ("bf16", "bf16")
     assert ce.ov_precision("float32", avx2) == ("f32", "f32")
+
+
+def test_a_worker_that_exits_is_skipped_with_its_last_words(tmp_path):
+    """An engine worker (OpenVINO GenAI, vLLM) that dies before answering: the row is skipped
+    with the last line it wrote (its exception's message); one that stays silent past the
+    timeout is 'hung'."""
+    log = tmp_path / "runs.log"
+    log.write_text("an earlier worker's output\n")
+    crash = [sys.executable, "-c", "import sys; sys.stderr.write('Traceback (most recent call last):\\n"
+             "RuntimeError: expect kvcache type f32, current: bf16\\n\\n'); sys.exit(1)"]
+    with pytest.raises(ce.Skip, match=r"worker exited: RuntimeError: expect kvcache type f32, current: bf16 \(see "):
+        ce.WorkerEngine(crash, dict(os.environ), log, timeout=60)
+    silent = [sys.executable, "-c", "import time; time.sleep(5)"]
+    with pytest.raises(ce.Skip, match="worker hung"):
+        ce.WorkerEngine(silent, dict(os.environ), log, timeout=0.5)
