@@ -113,9 +113,9 @@ def test_resolve_gemm_choices():
         assert resolve_gemm("onednn", torch.float32, CPU) == "onednn"
         # bfloat16: natively where oneDNN has bfloat16 matmuls, else packed in float32
         assert resolve_gemm("onednn", torch.bfloat16, CPU) == ("onednn" if onednn_usable(torch.bfloat16, CPU) else "onednn-f32")
-    with pytest.raises(ValueError, match="panel"):
+    with pytest.raises(ValueError, match="gemm 'panel' cannot run here: it computes float32 or bfloat16, not float16"):
         resolve_gemm("panel", torch.float16, CPU)
-    with pytest.raises(ValueError, match="panel"):
+    with pytest.raises(ValueError, match="gemm 'panel' cannot run here: it runs on the CPU only, not cuda"):
         resolve_gemm("panel", torch.float32, torch.device("cuda"))
     if panel_usable(torch.float32, CPU):
         assert resolve_gemm("panel", torch.float32, CPU) == resolve_gemm("panel", torch.bfloat16, CPU) == "panel"
@@ -131,7 +131,7 @@ def test_auto_never_picks_the_panel_kernel_without_kernels():
                             "except ValueError as e:\n    print(e)\n")
     auto, refused = p.stdout.splitlines()
     assert auto == ("onednn" if onednn_usable(torch.float32, CPU) else "torch")
-    assert refused.startswith("gemm 'panel' needs tinyllm's CPU kernels") and "TINYLLM_KERNELS=0" in refused
+    assert refused == "gemm 'panel' cannot run here: tinyllm's CPU kernels did not build (disabled by TINYLLM_KERNELS=0)"
 
 
 @needs_panel
@@ -224,8 +224,9 @@ def test_gemm_errors_are_one_sentence(capsys, tmp_path, llama_dir):
     prompts.write_text('{"prompt_token_ids": [5]}\n')
     cfg = tmp_path / "c.yaml"
     cfg.write_text("dtype: float32\ngemm: fast\n")
-    for args, needles in ((["-c", cfg], ["gemm", "line 2", "onednn"]),
-                          (["--gemm", "onednn", "--dtype", "float16"], ["onednn", "float16"])):
+    for args, needles in ((["-c", cfg], ["gemm", "line 2", "onednn", "panel"]),
+                          (["--gemm", "onednn", "--dtype", "float16"], ["onednn", "float16"]),
+                          (["--gemm", "panel", "--dtype", "float16"], ["panel", "float16"])):
         with pytest.raises(SystemExit) as e:
             main(["generate", "-p", str(prompts), "--model", str(llama_dir), *map(str, args)])
         out, err = capsys.readouterr()

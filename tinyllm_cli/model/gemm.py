@@ -72,6 +72,16 @@ def panel_usable(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native.load() and bool(native.panel_isa())
 
 
+def _why_no_panel(dtype: torch.dtype, device: torch.device) -> str:
+    if device.type != "cpu":
+        return f"it runs on the CPU only, not {device.type}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"it computes float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if not native.load():
+        return f"tinyllm's CPU kernels did not build ({native.load_error()})"
+    return "tinyllm's CPU kernels were built for a CPU without AVX2 or AVX-512"
+
+
 def _panel_by_default(dtype: torch.dtype, device: torch.device) -> bool:
     """'auto' picks the panel kernel where it was measured to pay (module docstring): an AVX2 build,
     for float32, and for bfloat16 where oneDNN has no bfloat16 matmul."""
@@ -89,9 +99,7 @@ def resolve_gemm(name: str, dtype: torch.dtype, device: torch.device) -> str:
     if name == "panel" or (name == "auto" and _panel_by_default(dtype, device)):
         if panel_usable(dtype, device):
             return "panel"
-        why = native.load_error() or "they were built for a CPU without AVX2"
-        raise ValueError(f"gemm 'panel' needs tinyllm's CPU kernels with AVX2 or AVX-512 and float32 or bfloat16 "
-                         f"(here: {device.type}, {str(dtype).removeprefix('torch.')}; kernels: {why})")
+        raise ValueError(f"gemm 'panel' cannot run here: {_why_no_panel(dtype, device)}")
     if onednn_usable(dtype, device):
         return "onednn"
     if dtype == torch.bfloat16 and onednn_usable(torch.float32, device):
