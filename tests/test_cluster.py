@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tinyllm_cli.kernels import cache_root
+
 ray = pytest.importorskip("ray", reason="the tinyllm[ray] extra is part of the test extra")
 psutil = pytest.importorskip("psutil")
 
@@ -77,7 +79,10 @@ def kill_tree_under(marker: str) -> None:
 def base_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
+               RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1",
+               # The kernels this machine already built: a cluster's processes get a HOME of their
+               # own, and would otherwise compile them again (~40 s of CPU) inside a bounded run.
+               TINYLLM_KERNEL_CACHE=str(cache_root()))
     env.update(extra)
     return env
 
