@@ -16,9 +16,9 @@ bfloat16, which is what a bfloat16 matmul with float32 accumulation computes.
 ``panel`` (tinyllm's kernel, ``kernels/cpu_kernels.cpp``): weights stored once, in column panels
 of float32 or bfloat16, read sequentially once per step. A decode step multiplies a few rows by
 every weight and is bound by reading them; oneDNN's packed matmul streams weights at about a third
-of the memory bandwidth at 1-16 rows, this kernel near all of it (measured on Zen 3, 2 cores:
-1.3-1.6x oneDNN at 1-64 rows, 95-100% of it at 256-1024). A bfloat16 model keeps bfloat16 panels
-(half the bytes of ``onednn-f32``), widened exactly on load. ``auto`` picks it where it was
+of the memory bandwidth at 1-16 rows, this kernel most of it (measured on Zen 3, 2 cores:
+1.3-1.7x oneDNN at 1-32 rows, level at 256, 6% behind at 1024). A bfloat16 model keeps bfloat16
+panels (half the bytes of ``onednn-f32``), widened exactly to float32. ``auto`` picks it where it was
 measured to pay: kernels built for AVX2 without AVX-512. On AVX-512 CPUs ``auto`` keeps oneDNN (its
 large-step rate there is unmeasured against this kernel); ``gemm: panel`` selects it anywhere the
 kernels build with AVX2 or AVX-512.
