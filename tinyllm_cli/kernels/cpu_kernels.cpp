@@ -1039,7 +1039,10 @@ void panel_matmul(const float* x, int64_t m, int64_t k_len, const typename S::T*
         // Up to 3 rows (a single stream's step) fit in registers with the widening, and read
         // the bfloat16 panel directly: half the bytes of a float32 one.
         const int64_t cols = std::min<int64_t>(PANEL_NR, n - p * PANEL_NR);
-        const float* b = bias ? bias + p * PANEL_NR : nullptr;
+        // A tile loads PANEL_NR bias entries as vectors: the partial last panel's are padded here.
+        alignas(64) float tail_bias[PANEL_NR] = {};
+        if (bias && cols < PANEL_NR) std::memcpy(tail_bias, bias + p * PANEL_NR, cols * sizeof(float));
+        const float* b = !bias ? nullptr : cols < PANEL_NR ? tail_bias : bias + p * PANEL_NR;
         if (p < full && (std::is_same_v<typename S::T, float> || m1 - m0 <= 3)) {
           for (int64_t r = m0; r < m1; r += PANEL_MR)
             panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, w + p * PANEL_NR * k_len, b,
@@ -1086,10 +1089,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   const auto xf = x.to(at::kFloat).contiguous();
   at::Tensor b;
-  if (bias.has_value()) {  // padded to whole panels: a tile loads its PANEL_NR entries as vectors
+  if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, "panel_linear: bias must have N elements");
-    b = at::zeros({(n + PANEL_NR - 1) / PANEL_NR * PANEL_NR}, xf.options());
-    b.narrow(0, 0, n).copy_(*bias);
+    b = bias->to(at::kFloat).contiguous();  // no copy for a float32 model's bias
   }
   auto y = at::empty({m, n}, xf.options());
 #if defined(__AVX512F__) || defined(__AVX2__)
