@@ -205,13 +205,11 @@ def peak_cache_path() -> Path:
     return Path(base) / "tinyllm" / "peak.json"
 
 
-def peak_key(dtype: torch.dtype, threads: int, shape: tuple[int, int]) -> str:
-    """Names everything the peak depends on, the matmul paths measured included (a peak cached
-    before a new path existed is not this path's peak)."""
-    from .model.gemm import resolve_gemm
-    paths = resolve_gemm("auto", dtype, torch.device("cpu"))
+def peak_key(dtype: torch.dtype, threads: int, shape: tuple[int, int], gemm: str) -> str:
+    """Names everything the peak depends on, the packed matmul path measured (``gemm``) included:
+    a peak cached before a new path existed is not this path's peak."""
     return f"{cpu_name()} | {str(dtype).removeprefix('torch.')} | {threads} threads | torch {torch.__version__} " \
-           f"| {shape[0]}x{shape[1]} | gemm {paths}"
+           f"| {shape[0]}x{shape[1]} | gemm {gemm}"
 
 
 def _read_cache(path: Path) -> dict:
@@ -241,12 +239,14 @@ def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threa
     (that path), gemm_rows, gflops (path -> rows -> GFLOP/s), bandwidth_gbps and where it came from."""
     before = torch.get_num_threads()
     threads = threads or before
-    key, path = peak_key(dtype, threads, shape), peak_cache_path()
+    from .model.gemm import resolve_gemm
+    packed = resolve_gemm("auto", dtype, torch.device("cpu"))  # 'panel', 'onednn', 'onednn-f32' or 'torch'
+    key, path = peak_key(dtype, threads, shape, packed), peak_cache_path()
     if not refresh and key in (cached := _read_cache(path)):
         return cached[key] | {"cached": True}
     torch.set_num_threads(threads)
     try:
-        gflops = _matmul_rates(dtype, shape, seconds * 0.75)
+        gflops = _matmul_rates(dtype, shape, packed, seconds * 0.75)
         bandwidth = _read_bandwidth(seconds * 0.25)
     finally:
         torch.set_num_threads(before)
@@ -274,13 +274,13 @@ def _best_seconds(fn, budget: float) -> float:
             return best
 
 
-def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], budget: float) -> dict[str, dict[str, float]]:
-    """GFLOP/s of x[rows, hidden] @ W[FFN, hidden]^T per matmul path and row count."""
-    from .model.gemm import linear_for, resolve_gemm
+def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], packed: str, budget: float) -> dict[str, dict[str, float]]:
+    """GFLOP/s of x[rows, hidden] @ W[FFN, hidden]^T per row count, for F.linear and the resolved
+    ``packed`` path."""
+    from .model.gemm import linear_for
     k, n = shape
     w = torch.randn(n, k).to(dtype)
     paths = {"torch": partial(F.linear, weight=w)}
-    packed = resolve_gemm("auto", dtype, torch.device("cpu"))  # 'panel', 'onednn', 'onednn-f32' or 'torch'
     if packed != "torch":
         paths[packed] = linear_for(packed, w, None)
     slice_s = budget / (len(paths) * len(PEAK_ROWS))
