@@ -108,11 +108,27 @@ def test_q4_linear_equals_f_linear_on_the_dequantized_weight(qtype, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K], ids=lambda q: q.name)
+def test_a_q4_linear_row_does_not_depend_on_the_rows_beside_it(qtype):
+    """Batch invariance: each row of a step gets bitwise the output it gets alone, at every row
+    count the vector path tiles differently (1-4 rows in registers, more through a decoded
+    panel on the float32 path; 4/2/1-row tiles on the bfloat16 dot path). Speculative decoding's
+    verify step of k + 1 rows then reproduces plain decoding's one-row steps exactly."""
+    rows, cols = 48, 512 if qtype == QT.Q4_K else 96
+    q = from_gguf(_raw(qtype, rows, cols, seed=7), qtype.name, rows, cols)
+    lin = Q4Linear(q, torch.randn(rows).bfloat16())
+    x = torch.randn(40, cols).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
+    for m in (2, 3, 4, 5, 6, 7, 13, 40):
+        assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K], ids=lambda q: q.name)
 def test_q4_unpack_inverts_q4_pack_and_many_rows_take_it(qtype):
-    """``q4_unpack`` gives back exactly the weight the kernel multiplies by (float16 scale and
-    min), and a step of ``DEQUANT_ROWS`` rows or more (unpacked, oneDNN bfloat16) agrees with
-    the 4-bit kernel on the same rows up to bfloat16 rounding of the weights."""
+    """``q4_unpack`` gives back exactly the weight the kernel holds (float16 scale and min), and
+    a step of ``DEQUANT_ROWS`` rows or more (unpacked to bfloat16 on the bfloat16 dot path, the
+    4-bit kernel itself on the float32 path) agrees with the 4-bit kernel and with F.linear."""
     rows, cols = 48, 512 if qtype == QT.Q4_K else 96
     q = from_gguf(_raw(qtype, rows, cols, seed=5), qtype.name, rows, cols)
     lin = Q4Linear(q, torch.randn(rows).bfloat16())
@@ -182,8 +198,8 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(10, 40)), [300, 2, 8]]
                                     pytest.param("torch", marks=needs_int4)])
 def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_gguf, kernel, monkeypatch):
     if kernel == "tinyllm" and not quant.q4_usable(torch.device("cpu")):
-        pytest.skip("tinyllm's 4-bit kernel runs where the CPU has AVX512-BF16")  # the kernels loaded (needs_kernels)
-    if kernel == "torch":  # what a CPU without AVX512-BF16 (or without a compiler) runs
+        pytest.skip("tinyllm's 4-bit kernel runs where its build has an AVX2 or AVX-512 path")  # the kernels loaded
+    if kernel == "torch":  # what a CPU without AVX2 (or without a compiler) runs
         monkeypatch.setattr(quant, "q4_usable", lambda device: False)
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
@@ -210,11 +226,14 @@ def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_
 
 @needs_kernels
 def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch):
-    """A step of ``DEQUANT_ROWS`` rows or more leaves the one-call layer kernel for the layer's
-    modules, whose Q4Linear unpacks to bfloat16: the logits agree with the dequantized model as
-    the 4-bit kernel's do, and the unpacked path was really taken."""
+    """A step of ``DEQUANT_ROWS`` rows or more: on the bfloat16 dot path (AVX512-BF16) it leaves
+    the one-call layer kernel for the layer's modules, whose Q4Linear unpacks to bfloat16; on
+    the float32 path (AVX2) the 4-bit kernel runs it (oneDNN has no fast bfloat16 matmul there).
+    Either way the logits agree with the dequantized model, and the path taken is the one
+    ``q4_isa`` says."""
     if not quant.q4_usable(torch.device("cpu")):
-        pytest.skip("tinyllm's 4-bit kernel runs where the CPU has AVX512-BF16")
+        pytest.skip("tinyllm's 4-bit kernel runs where its build has an AVX2 or AVX-512 path")
+    unpacking = torch.ops.tinyllm.q4_isa() == "avx512-bf16"
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
     deq = load_checkpoint(str(q4_gguf), progress=False)
@@ -224,7 +243,7 @@ def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch):
     monkeypatch.setattr(quant, "q4_unpack", lambda *a, **k: calls.append(1) or real_unpack(*a, **k))
     monkeypatch.setattr(quant, "DEQUANT_ROWS", 8)  # the prompts' 40 rows are a big step now
     got = _logits(model, PROMPTS)
-    assert calls, "the unpacked path was not taken"
+    assert bool(calls) == unpacking, f"unpacked: {bool(calls)}, on the {torch.ops.tinyllm.q4_isa()} path"
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 0.05, f"relative logit error {rel:.3g}"
     top2 = ref.topk(2, -1).values
@@ -235,7 +254,7 @@ def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch):
     calls.clear()
     with LLM(str(q4_gguf), quant="gguf", dtype="bfloat16", num_blocks=64, progress=False) as llm:
         out = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=3, ignore_eos=True), chat=False, use_tqdm=False)
-    assert calls and len(out[0].completions[0].token_ids) == 3
+    assert bool(calls) == unpacking and len(out[0].completions[0].token_ids) == 3
 
 
 @needs_int4  # quant: gguf runs only where torch has its int4 matmul (runtime.check_quant), the fallback
@@ -256,6 +275,35 @@ def test_quantized_engine_equals_no_cache_recompute(q4_gguf):
         for _ in range(10):
             seq.append(int(_logits(model, [seq])[-1].argmax()))
         assert outs[str(i)].token_ids == seq[len(pr):]
+
+
+@needs_kernels
+def test_speculative_greedy_on_the_4bit_kernel_equals_plain_decoding(q4_gguf):
+    """Batch invariance end to end: with the 4-bit kernel, prompt-lookup speculation (verify
+    steps of up to k + 1 rows per sequence, beside other sequences' rows) gives exactly the
+    tokens of plain decoding, and the pool is empty afterwards."""
+    if not quant.q4_usable(torch.device("cpu")):
+        pytest.skip("tinyllm's 4-bit kernel runs where its build has an AVX2 or AVX-512 path")
+    from tinyllm_cli.cache.kv import PagedKVCache
+    from tinyllm_cli.engine.engine import LLMEngine
+    from tinyllm_cli.engine.speculative import NgramDrafter, Speculation
+    ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
+    assert isinstance(model.layers[0].gate_up, Q4Linear)
+    prompts = [[5, 17, 99, 5, 17, 99, 5, 17], list(range(10, 40)) * 2, [300, 2, 8, 300, 2]]
+    p = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+    def go(spec):
+        cache = PagedKVCache(model.cfg, 128, 4, torch.bfloat16, "cpu", prefix_caching=True)
+        eng = LLMEngine(model, cache, None, speculation=spec)
+        outs = sorted(eng.run([Request(str(i), pr, p, index=i) for i, pr in enumerate(prompts)]), key=lambda o: o.index)
+        assert not cache.tables and cache.pool.num_active == 0
+        return [o.token_ids for o in outs], eng
+
+    plain, _ = go(None)
+    spec, eng = go(Speculation("ngram", 4, NgramDrafter(1, 3)))
+    assert spec == plain
+    assert eng.stats.spec_drafted_tokens > 0
 
 
 # ---- the GGUF header reader ------------------------------------------------------------------

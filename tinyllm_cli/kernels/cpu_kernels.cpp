@@ -28,7 +28,7 @@
 // exception: bfloat16 dot products (AVX512-BF16: q4_linear, and bfloat16 attention, whose softmax
 // weights round to bfloat16 before P.V), where each product is exact in float32 and sums are float32.
 // Inner loops run over raw storage (float, or uint16_t bits for bfloat16) so that they vectorize;
-// the hot matmul and attention loops have AVX-512 intrinsic paths next to portable ones.
+// the hot matmul and attention loops have AVX-512 and AVX2 intrinsic paths next to portable ones.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,6 +48,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -606,51 +607,67 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
 
 // y[m][n] = scale[n] * sum_k x[m][k] * q[n][k] for n in [n0, n1), every row m; x is float32.
 // O is the output's storage (the input dtype's, or F32 for float32 logits).
+#if defined(__AVX512F__) || defined(__AVX2__)
+// kLanes int8 weights widened to float32 (exact).
+inline VecF vwiden_i8(const int8_t* q) {
 #if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+#else
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+#endif
+}
+
 // R weight rows x MT activation rows: each weight vector is widened to float32 once for MT rows.
 template <typename O, int R, int MT>
 inline void int8_tile(const float* x, int64_t k, const int8_t* q, const float* scale, typename O::T* y, int64_t n_out) {
-  __m512 acc[MT][R];
+  VecF acc[MT][R];
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < k; c += 16) {
-    __m512 w[R];
-    for (int r = 0; r < R; ++r)
-      w[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * k + c))));
+    for (int r = 0; r < R; ++r) acc[m][r] = vzero();
+  for (int64_t c = 0; c < k; c += kLanes) {
+    VecF w[R];
+    for (int r = 0; r < R; ++r) w[r] = vwiden_i8(q + r * k + c);
     for (int m = 0; m < MT; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * k + c);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(w[r], xv, acc[m][r]);
+      const VecF xv = vload(x + m * k + c);
+      for (int r = 0; r < R; ++r) acc[m][r] = vfma(w[r], xv, acc[m][r]);
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) y[m * n_out + r] = O::st(_mm512_reduce_add_ps(acc[m][r]) * scale[r]);
+    for (int r = 0; r < R; ++r) y[m * n_out + r] = O::st(vsum(acc[m][r]) * scale[r]);
 }
 #endif
 
 // Rows go R at a time, and the rows two steps ahead are prefetched: the matrix streams from
 // memory once per step, and with the hardware prefetcher alone the loop waited on it (the
-// default model's 28 MB: 2.1 -> 1.5 ms on 2 cores). Within a block, activation rows go 4 at a
-// time, then 2, then 1 (each weight vector widened once for the rows of a tile).
+// default model's 28 MB: 2.1 -> 1.5 ms on 2 cores). Within a block, activation rows go MT at a
+// time (4 with AVX-512's 32 registers, 2 with AVX2's 16), then one by one: each weight vector
+// is widened once for the rows of a tile. With AVX2 the scalar loop took 47 ms for 16 rows of
+// the default model's head (torch's kernel: 21-25); this one 11 (Zen 3, 2 cores).
 template <typename O>
 [[gnu::noinline]] void int8_rows(const float* xf, int64_t rows, int64_t k, const int8_t* q, const float* scale,
                                  typename O::T* y, int64_t n_out, int64_t n0, int64_t n1) {
   int64_t n = n0;
-#if defined(__AVX512F__)
-  constexpr int R = 8;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  constexpr int R = 8, MT = 4, RT = kLanes == 16 ? 4 : 2;
   const char* end = reinterpret_cast<const char*>(q + n1 * k);
   for (; n + R <= n1; n += R) {
     const char* ahead = reinterpret_cast<const char*>(q + (n + 2 * R) * k);
     for (int64_t o = 0; o < R * k && ahead + o < end; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
     int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) {
-      int8_tile<O, 4, 4>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
-      int8_tile<O, 4, 4>(xf + m * k, k, q + (n + 4) * k, scale + n + 4, y + m * n_out + n + 4, n_out);
-    }
+    for (; m + MT <= rows; m += MT)
+      for (int64_t r = 0; r < R; r += RT)
+        int8_tile<O, RT, MT>(xf + m * k, k, q + (n + r) * k, scale + n + r, y + m * n_out + n + r, n_out);
     for (; m + 2 <= rows; m += 2) {
       int8_tile<O, 4, 2>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
       int8_tile<O, 4, 2>(xf + m * k, k, q + (n + 4) * k, scale + n + 4, y + m * n_out + n + 4, n_out);
     }
-    for (; m < rows; ++m) int8_tile<O, R, 1>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
+    for (; m < rows; ++m) {
+      if constexpr (kLanes == 16) {
+        int8_tile<O, R, 1>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
+      } else {  // 8 widened weights and 8 accumulators would not fit AVX2's registers
+        int8_tile<O, 4, 1>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
+        int8_tile<O, 4, 1>(xf + m * k, k, q + (n + 4) * k, scale + n + 4, y + m * n_out + n + 4, n_out);
+      }
+    }
   }
 #endif
   for (; n < n1; ++n) {
@@ -707,6 +724,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // Why not torch's int4 matmul: at one row it streams the default model's 66 MB of 4-bit layers
 // at ~18 GB/s; its inner loop converts every weight to float32 for an FMA, ~4x the instructions
 // per weight of the bf16 dot here, and at 16+ rows it tops out near 170 GFLOP/s on 2 cores.
+// CPUs without AVX512-BF16 run the same layout on float32 FMAs: "the 4-bit matmul on float32
+// FMAs", after panel_linear, whose tile it shares.
 
 constexpr int64_t Q4_BLOCK = 320;  // bytes per (16 rows, 32 inputs)
 
@@ -787,7 +806,7 @@ void q4_rows_portable(const uint16_t* x, int64_t rows, int64_t k, const uint8_t*
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-constexpr bool kQ4Fast = true;
+#define TINYLLM_Q4_BF16DOT 1
 
 // MT rows x NB blocks of 16 outputs. Per group: two bf16-dot accumulators per (row, block) (two
 // dependency chains each, so the dot unit never waits on its own latency), then
@@ -880,64 +899,8 @@ void q4_rows_fast(const uint16_t* x, int64_t rows, int64_t k, const float* xsum,
     q4_row_tile<2>(x + m * k, k, xsum + m * groups, w, b0, b1, end_block, bias, y + m * ldy, ldy);
   for (; m < rows; ++m) q4_row_tile<1>(x + m * k, k, xsum + m * groups, w, b0, b1, end_block, bias, y + m * ldy, ldy);
 }
-#else
-constexpr bool kQ4Fast = false;
 #endif
 
-bool q4_fast() { return kQ4Fast; }
-
-// x [M, K] bfloat16 @ w^T (+ bias) -> [M, N] bfloat16, w as q4_pack made it. ``portable`` forces
-// the plain loops (tests compare the two).
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                     bool portable) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "q4_linear: x must be bfloat16 [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == Q4_BLOCK &&
-              packed.is_contiguous(), "q4_linear: w must be q4_pack's [N/16, K/32, 320]");
-  const int64_t rows = x.size(0), k = x.size(1), groups = k / 32, blocks = packed.size(0), n = blocks * 16;
-  TORCH_CHECK(packed.size(1) * 32 == k, "q4_linear: x has ", k, " inputs, the weight ", packed.size(1) * 32);
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == n, "q4_linear: bias must have N elements");
-  }
-  const auto xc = x.contiguous();
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  std::vector<float> xsum(rows * groups);  // sum of x over each group: the min's coefficient
-  for (int64_t i = 0; i < rows * groups; ++i) {
-    float s = 0.0f;
-    for (int64_t e = 0; e < 32; ++e) s += BF16::ld(xp[i * 32 + e]);
-    xsum[i] = s;
-  }
-  auto y = at::empty({rows, n}, x.options());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  // One contiguous range of blocks per thread: each streams its own part of the weight once.
-  const int64_t threads = at::get_num_threads(), grain = (blocks + threads - 1) / threads;
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    // Many rows: 8 blocks at a time stay in cache while every row tile passes over them.
-    const int64_t chunk = rows <= 4 ? b1 - b0 : 8;
-    for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
-      const int64_t c1 = std::min(b1, c0 + chunk);
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if (!portable) {
-        q4_rows_fast(xp, rows, k, xsum.data(), wp, c0, c1, b1, bp, yp, n);
-        continue;
-      }
-#endif
-      q4_rows_portable(xp, rows, k, wp, c0, c1, bp, yp, n);
-    }
-  });
-  return y;
-}
-
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  return q4_matmul(x, packed, bias, false);
-}
-
-at::Tensor q4_linear_portable(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  return q4_matmul(x, packed, bias, true);
-}
 
 // ---- panel_linear: tinyllm's own float32 matmul ---------------------------------------------
 
@@ -1104,6 +1067,247 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// ---- the 4-bit matmul on float32 FMAs (CPUs without AVX512-BF16) ---------------------------
+//
+// Without bfloat16 dot instructions (AVX2 CPUs such as AMD Zen 2/3, AVX-512 without BF16 such as
+// Intel Skylake-SP to Ice Lake) q4_pack's blocks run through the panel matmul's float32 tile:
+// a panel of PANEL_NR outputs is PANEL_NR / 16 blocks. Each weight is decoded to float32 as
+// w = (128 + q) * scale + (min - 128 scale) (q4_code128), and the tile accumulates x * w over k
+// in order, as panel_tile does over a float32 panel.
+// Up to 4 rows (a single stream's step, a speculative verify step) decode in registers on the
+// way to the FMAs; more rows decode each panel once per row chunk into a float32 buffer in
+// L1/L2 and run panel_tile over it, so the decode is shared by every row tile (at 4 rows the
+// buffer's fixed cost was 2x the in-register path on Zen 3; at 6 the two were level).
+// Both decode to the same float32 weight and sum in the same order: a row's output does not
+// depend on how many rows share its step (so speculative decoding's verify step of k + 1 rows
+// reproduces plain decoding's one-row steps exactly).
+#if !defined(TINYLLM_Q4_BF16DOT) && (defined(__AVX512F__) || defined(__AVX2__))
+#define TINYLLM_Q4_FLOAT 1
+#if defined(__AVX512F__)
+using VecI = __m512i;
+inline VecI vloadi(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline VecF vhalves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+template <int S> inline VecI vshift(VecI v) { return S > 0 ? _mm512_slli_epi32(v, S) : _mm512_srli_epi32(v, -S); }
+inline VecF vor_and(VecI v, int32_t mask, int32_t bits) {
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(mask)), _mm512_set1_epi32(bits)));
+}
+#else
+using VecI = __m256i;
+inline VecI vloadi(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VecF vhalves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+template <int S> inline VecI vshift(VecI v) { return S > 0 ? _mm256_slli_epi32(v, S) : _mm256_srli_epi32(v, -S); }
+inline VecF vor_and(VecI v, int32_t mask, int32_t bits) {
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(mask)), _mm256_set1_epi32(bits)));
+}
+#endif
+
+// Where a panel's two halves of kLanes outputs live in q4_pack's blocks: with AVX2 (8 lanes) both
+// halves are one block (lanes 0-7 at byte 0 of each 64-byte code vector and scale array, 8-15
+// at byte 32 / 16); with AVX-512 (16 lanes) each half is a whole block, the second one bstride on.
+struct Q4Panel {
+  const uint8_t* lo;  // the lower half's first group
+  int64_t hi;         // bytes from a lower-half address to the same upper-half one
+  int64_t hi_half;    // the same for the float16 scale / min arrays
+};
+inline Q4Panel q4_panel(const uint8_t* w, int64_t p, int64_t bstride) {
+  return kLanes == 8 ? Q4Panel{w + p * bstride, 32, 16} : Q4Panel{w + 2 * p * bstride, bstride, bstride};
+}
+
+// Code r of input group vector i: lane j's bits at (0, 16, 4, 20, 8, 24, 12, 28)[r] (q4_pack).
+// Moved to bits 16..19 and OR'd with 0x43000000 it is the float32 128 + q exactly (exponent 7:
+// mantissa bit 16 counts ones): a shift, an AND and an OR, where converting the integer would
+// take a shift, an AND and a conversion on the FP pipes that the FMAs and stores also need.
+// The 128 folds into the offset: w = (128 + q) * scale + (min - 128 scale).
+constexpr int kQ4CodeAt[8] = {0, 16, 4, 20, 8, 24, 12, 28};
+template <int R>
+inline VecF q4_code128(VecI v) {
+  constexpr int shift = 16 - kQ4CodeAt[R];
+  if constexpr (shift != 0) v = vshift<shift>(v);
+  return vor_and(v, 0x000F0000, 0x43000000);
+}
+
+// Calls fn.template operator()<R>() for R = 0..7: the eight inputs of a code vector, unrolled
+// (the shifts need their counts at compile time).
+template <typename F>
+inline void for_codes(const F& fn) {
+  [&]<int... R>(std::integer_sequence<int, R...>) { (fn.template operator()<R>(), ...); }(std::make_integer_sequence<int, 8>{});
+}
+
+// The panel as float32 [K][PANEL_NR] into buf, one whole k row at a time (both halves: writing
+// the halves in two passes left each line to be fetched twice once the buffer outgrew L1).
+// ``halves`` 1 leaves the upper half zero (the partial last panel of an AVX-512 build, one block).
+[[gnu::noinline]] void q4_decode_panel(const Q4Panel& pn, int64_t groups, int halves, float* buf) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gp = pn.lo + g * Q4_BLOCK;
+    const VecF s0 = vhalves(gp + 256), m0 = vfma(vset1(-128.0f), s0, vhalves(gp + 288));
+    const VecF s1 = halves == 2 ? vhalves(gp + 256 + pn.hi_half) : vzero();
+    const VecF m1 = halves == 2 ? vfma(vset1(-128.0f), s1, vhalves(gp + 288 + pn.hi_half)) : vzero();
+    float* out = buf + g * 32 * PANEL_NR;
+    for (int i = 0; i < 4; ++i) {
+      const VecI v0 = vloadi(gp + i * 64), v1 = halves == 2 ? vloadi(gp + pn.hi + i * 64) : v0;
+      for_codes([&]<int R>() {
+        float* row = out + (8 * i + R) * PANEL_NR;
+        vstore(row, vfma(q4_code128<R>(v0), s0, m0));
+        vstore(row + kLanes, vfma(q4_code128<R>(v1), s1, m1));  // 0 * q + 0 for a missing half
+      });
+    }
+  }
+}
+
+// R (<= 4) rows x one full panel, decoding the 4-bit codes in registers: panel_tile's arithmetic
+// (the same float32 weights, the same order), without a buffer. Prefetches two groups ahead.
+// Out of line, as q4_decode_panel: each call is a whole panel, and inlined into the parallel
+// lambda's four row counts the register allocation only gets harder.
+template <int64_t R>
+[[gnu::noinline]] void q4_direct_tile(const float* x, int64_t k_len, const Q4Panel& pn, const float* bias, float* y, int64_t ldy) {
+  VecF lo[R], hi[R];
+  for (int64_t r = 0; r < R; ++r) lo[r] = hi[r] = vzero();
+  for (int64_t g = 0; g < k_len / 32; ++g) {
+    const uint8_t* gp = pn.lo + g * Q4_BLOCK;
+    for (int l = 0; l < Q4_BLOCK; l += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(gp + 2 * Q4_BLOCK + l), _MM_HINT_T0);
+      if (kLanes == 16) _mm_prefetch(reinterpret_cast<const char*>(gp + pn.hi + 2 * Q4_BLOCK + l), _MM_HINT_T0);
+    }
+    const VecF s0 = vhalves(gp + 256), m0 = vfma(vset1(-128.0f), s0, vhalves(gp + 288));
+    const VecF s1 = vhalves(gp + 256 + pn.hi_half), m1 = vfma(vset1(-128.0f), s1, vhalves(gp + 288 + pn.hi_half));
+    const float* xg = x + g * 32;
+    for (int i = 0; i < 4; ++i) {
+      const VecI v0 = vloadi(gp + i * 64), v1 = vloadi(gp + pn.hi + i * 64);
+      for_codes([&]<int C>() {
+        const VecF w0 = vfma(q4_code128<C>(v0), s0, m0);
+        const VecF w1 = vfma(q4_code128<C>(v1), s1, m1);
+        for (int64_t r = 0; r < R; ++r) {
+          const VecF a = vset1(xg[r * k_len + 8 * i + C]);
+          lo[r] = vfma(a, w0, lo[r]);
+          hi[r] = vfma(a, w1, hi[r]);
+        }
+      });
+    }
+  }
+  if (bias) {  // as panel_tile: the bias after the sum
+    const VecF b0 = vload(bias), b1 = vload(bias + kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      lo[r] = vadd(lo[r], b0);
+      hi[r] = vadd(hi[r], b1);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    vstore(y + r * ldy, lo[r]);
+    vstore(y + r * ldy + kLanes, hi[r]);
+  }
+}
+
+// y [m, n] float32 = x [m, K] float32 @ w^T (+ bias), w as q4_pack made it; panel_matmul's
+// threading and row chunks.
+void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w, int64_t n, const float* bias,
+                     float* y) {
+  const int64_t groups = k_len / 32, bstride = groups * Q4_BLOCK, blocks = n / 16;
+  const int64_t panels = (n + PANEL_NR - 1) / PANEL_NR, full = n / PANEL_NR;
+  const int64_t chunk = std::max<int64_t>(PANEL_MR, PANEL_CHUNK_BYTES / (k_len * 4) / PANEL_MR * PANEL_MR);
+  const int64_t grain = m * k_len * n < (1 << 16) ? panels : 1;
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    std::vector<float> buf;
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+      const int64_t m1 = std::min(m, m0 + chunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        const Q4Panel pn = q4_panel(w, p, bstride);
+        const int64_t cols = std::min<int64_t>(PANEL_NR, n - p * PANEL_NR);
+        alignas(64) float tail_bias[PANEL_NR] = {};
+        if (bias && cols < PANEL_NR) std::memcpy(tail_bias, bias + p * PANEL_NR, cols * sizeof(float));
+        const float* b = !bias ? nullptr : cols < PANEL_NR ? tail_bias : bias + p * PANEL_NR;
+        float* yp = y + m0 * n + p * PANEL_NR;
+        if (p < full && m1 - m0 <= 4) {
+          const float* xp = x + m0 * k_len;
+          if (m1 - m0 == 4) q4_direct_tile<4>(xp, k_len, pn, b, yp, n);
+          else if (m1 - m0 == 3) q4_direct_tile<3>(xp, k_len, pn, b, yp, n);
+          else if (m1 - m0 == 2) q4_direct_tile<2>(xp, k_len, pn, b, yp, n);
+          else q4_direct_tile<1>(xp, k_len, pn, b, yp, n);
+          continue;
+        }
+        buf.resize(k_len * PANEL_NR);
+        q4_decode_panel(pn, groups, p < full ? 2 : static_cast<int>(blocks - 2 * p), buf.data());
+        for (int64_t r = m0; r < m1; r += PANEL_MR)
+          panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, buf.data(), b,
+                     y + r * n + p * PANEL_NR, n, cols);
+      }
+    }
+  });
+}
+#endif
+
+// The 4-bit kernel's vector path on this build: "avx512-bf16" (bf16 dot products), "avx2" or
+// "avx512" (float32 FMAs), or "" (only the portable loops).
+std::string q4_isa() {
+#if defined(TINYLLM_Q4_BF16DOT)
+  return "avx512-bf16";
+#elif defined(TINYLLM_Q4_FLOAT)
+  return kPanelIsa;
+#else
+  return "";
+#endif
+}
+
+// x [M, K] bfloat16 @ w^T (+ bias) -> [M, N] bfloat16, w as q4_pack made it. ``portable`` forces
+// the plain loops (tests compare the two).
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                     bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "q4_linear: x must be bfloat16 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == Q4_BLOCK &&
+              packed.is_contiguous(), "q4_linear: w must be q4_pack's [N/16, K/32, 320]");
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / 32, blocks = packed.size(0), n = blocks * 16;
+  TORCH_CHECK(packed.size(1) * 32 == k, "q4_linear: x has ", k, " inputs, the weight ", packed.size(1) * 32);
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == n, "q4_linear: bias must have N elements");
+  }
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#if defined(TINYLLM_Q4_FLOAT)
+  if (!portable) {  // float32 rows in and out, the output rounded once to bfloat16
+    const auto xf = x.to(at::kFloat).contiguous();
+    auto yf = at::empty({rows, n}, xf.options());
+    q4_float_matmul(xf.data_ptr<float>(), rows, k, wp, n, bp, yf.data_ptr<float>());
+    return yf.to(at::kBFloat16);
+  }
+#endif
+  const auto xc = x.contiguous();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  std::vector<float> xsum(rows * groups);  // sum of x over each group: the min's coefficient
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    float s = 0.0f;
+    for (int64_t e = 0; e < 32; ++e) s += BF16::ld(xp[i * 32 + e]);
+    xsum[i] = s;
+  }
+  auto y = at::empty({rows, n}, x.options());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  // One contiguous range of blocks per thread: each streams its own part of the weight once.
+  const int64_t threads = at::get_num_threads(), grain = (blocks + threads - 1) / threads;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    // Many rows: 8 blocks at a time stay in cache while every row tile passes over them.
+    const int64_t chunk = rows <= 4 ? b1 - b0 : 8;
+    for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+      const int64_t c1 = std::min(b1, c0 + chunk);
+#if defined(TINYLLM_Q4_BF16DOT)
+      if (!portable) {
+        q4_rows_fast(xp, rows, k, xsum.data(), wp, c0, c1, b1, bp, yp, n);
+        continue;
+      }
+#endif
+      q4_rows_portable(xp, rows, k, wp, c0, c1, bp, yp, n);
+    }
+  });
+  return y;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return q4_matmul(x, packed, bias, false);
+}
+
+at::Tensor q4_linear_portable(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return q4_matmul(x, packed, bias, true);
+}
+
 // ---- one decoder layer in one call ---------------------------------------------------------
 
 // A weight matmul as the Python model holds it (model/llama.py, fused_layer_args):
@@ -1217,7 +1421,7 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def("q4_pack(Tensor codes, Tensor scale, Tensor min) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("q4_linear_portable(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("q4_fast() -> bool", &q4_fast);
+  m.def("q4_isa() -> str", &q4_isa);
   m.def("panel_isa() -> str", &panel_isa);
   m.def("panel_pack(Tensor w) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");  // no tensor to dispatch on: one kernel for every key

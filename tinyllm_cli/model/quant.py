@@ -10,9 +10,11 @@ What each form computes (the same math as the dequantized weights, up to stated 
   multiply out to the same per-32 form). ``QuantWeight`` holds exactly that, in float32.
 - Two 4-bit matmuls hold it, and a model uses one of them (one copy of each weight):
   ``Q4Linear`` (tinyllm's kernel, ``kernels/cpu_kernels.cpp``: ``scale`` and ``min`` in float16,
-  exact for Q4_0 / Q4_1; bfloat16 dot products summed in float32), where the kernels are built
-  and the CPU has AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake / Sapphire Rapids and
-  later); otherwise ``Int4Linear`` (torch's CPU int4 matmul, ``w = (q - 8)*s + z`` with
+  exact for Q4_0 / Q4_1), wherever the kernels are built with a vector path (``q4_isa()``):
+  bfloat16 dot products summed in float32 where the CPU has AVX512-BF16 (AMD Zen 4 and later,
+  Intel Cooper Lake / Sapphire Rapids and later), else each weight decoded to float32 and
+  float32 FMAs (AVX2, or AVX-512 without BF16: 2x torch's int4 matmul at 16-256 rows on Zen 3);
+  otherwise ``Int4Linear`` (torch's CPU int4 matmul, ``w = (q - 8)*s + z`` with
   ``s = d``, ``z = m + 8d`` stored in bfloat16, its one extra rounding).
 - Q8_0 (the default model's tied embedding / output matrix) has one scale per 32 int8 values;
   torch's int8 matmul takes one scale per row, so those rows are requantized to int8 with a
@@ -20,7 +22,8 @@ What each form computes (the same math as the dequantized weights, up to stated 
   The same int8 rows serve the embedding lookup and the output projection: one copy.
 - The activation dtype is bfloat16 (both 4-bit kernels' inputs); everything that is not a
   quantized matmul (norms, attention, K/V) runs as in the dequantized model.
-- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more): ``Q4Linear`` unpacks its
+- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on the bfloat16 dot path only:
+  ``unpacks``): ``Q4Linear`` unpacks its
   weight to bfloat16 for that call (transient, never kept) and runs oneDNN's bfloat16 matmul.
   The 4-bit kernel's bf16 dot products win when few rows share each weight read (decoding); at
   many rows of a 1536 x 8960 layer they reach ~174 GFLOP/s, oneDNN's bfloat16 matmul ~2,350
@@ -33,7 +36,8 @@ What each form computes (the same math as the dequantized weights, up to stated 
 
 Invariants: a ``QuantWeight`` is the only copy of its weight once the model is built (no float
 copy is kept); ``Q4Linear(x)`` and ``Int4Linear(x)`` equal ``F.linear(x, dequantize())`` up to
-bfloat16 rounding (tests compare them); 4-bit forms want ``K`` a multiple of 32 and ``N`` a
+bfloat16 rounding (tests compare them); below the unpacked path, a row of ``Q4Linear(x)`` does not
+depend on the other rows of ``x`` (bitwise: each row's sums run in one fixed order); 4-bit forms want ``K`` a multiple of 32 and ``N`` a
 multiple of 16 (checked when a tensor is read, so an odd shape stays dequantized instead of
 failing).
 """
@@ -41,6 +45,7 @@ failing).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -207,13 +212,27 @@ class Int4Linear(nn.Module):
 
 
 def q4_usable(device: torch.device) -> bool:
-    """tinyllm's 4-bit kernel: built, on a CPU with AVX512-BF16 (else torch's int4 matmul serves)."""
-    return torch.device(device).type == "cpu" and native.load() and torch.ops.tinyllm.q4_fast()
+    """tinyllm's 4-bit kernel: built with a vector path (AVX2 or AVX-512; else torch's int4 matmul serves)."""
+    return torch.device(device).type == "cpu" and native.load() and bool(torch.ops.tinyllm.q4_isa())
 
 
 # Rows from which Q4Linear unpacks to bfloat16 and uses oneDNN's matmul (see the module
 # docstring): past the break-even of AMX hosts (~450 rows) and of AVX512-BF16-only ones (~800).
 DEQUANT_ROWS = 1024
+
+
+def unpacks(rows: int) -> bool:
+    """Whether ``Q4Linear`` runs a step of ``rows`` rows over its weight unpacked to bfloat16:
+    from ``DEQUANT_ROWS`` rows, where the kernel's path is the bfloat16 dot product (AVX512-BF16,
+    so oneDNN has a fast bfloat16 matmul too). The float32 path (AVX2, AVX-512 without BF16)
+    runs every step itself: it reaches the float32 matmul's rate at many rows, and oneDNN has no
+    bfloat16 matmul on those CPUs (ATen's loop, ~16 GFLOP/s on 2 Zen 3 cores, would take it)."""
+    return rows >= DEQUANT_ROWS and _bf16_dot()
+
+
+@lru_cache(maxsize=None)
+def _bf16_dot() -> bool:
+    return native.load() and torch.ops.tinyllm.q4_isa() == "avx512-bf16"
 
 
 def q4_unpack(packed: Tensor, dtype: torch.dtype = ACT_DTYPE) -> Tensor:
@@ -244,7 +263,7 @@ class Q4Linear(nn.Module):
         self.bias = None if bias is None else bias.to(ACT_DTYPE)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[0] >= DEQUANT_ROWS:
+        if unpacks(x.shape[0]):
             return torch.nn.functional.linear(x, q4_unpack(self.packed), self.bias)
         return torch.ops.tinyllm.q4_linear(x, self.packed, self.bias)
 
