@@ -8,8 +8,8 @@ step (decode and prefill) in one call, reading K/V where they live in the blocks
 RMSNorm, SiLU * up, RoPE in place) replace 2-9 eager ops each, which a one-token step feels as
 dispatch overhead and a batched step as extra passes over memory. ``q4_linear`` / ``int8_linear``
 are the matmuls of ``quant: gguf`` (``model/quant.py``): 4-bit weights as bfloat16 dot products
-(AVX512-BF16), int8 rows widened once per group of activation rows, both prefetching the weight
-stream that a one-row step is bound by.
+(AVX512-BF16) or decoded to float32 for FMAs (AVX2), int8 rows widened once per group of
+activation rows, both prefetching the weight stream that a one-row step is bound by.
 
 Invariants:
 - Building needs a C++ compiler and ninja (the ``ninja`` wheel is a dependency). Where the build
