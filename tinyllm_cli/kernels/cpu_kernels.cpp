@@ -902,6 +902,16 @@ void q4_rows_fast(const uint16_t* x, int64_t rows, int64_t k, const float* xsum,
 #endif
 
 
+// Per-thread scratch buffers, kept across calls: slot i of the calling thread, grown to at least
+// n floats. A buffer allocated per call costs a malloc each time, and past glibc's mmap
+// threshold (128 KB) fresh pages to fault in on every call.
+inline float* scratch(int slot, int64_t n) {
+  thread_local std::vector<float> bufs[3];
+  auto& b = bufs[slot];
+  if (static_cast<int64_t>(b.size()) < n) b.resize(n);
+  return b.data();
+}
+
 // ---- panel_linear: tinyllm's own float32 matmul ---------------------------------------------
 
 // y [M, N] = x [M, K] @ w^T (+ bias), w as panel_pack laid it out: column panels of PANEL_NR
@@ -992,7 +1002,6 @@ void panel_matmul(const float* x, int64_t m, int64_t k_len, const typename S::T*
   // Tiny products run on one thread: a fork costs more than they do.
   const int64_t grain = m * k_len * n < (1 << 16) ? panels : 1;
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-    std::vector<float> buf;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
       const int64_t m1 = std::min(m, m0 + chunk);
       for (int64_t p = p0; p < p1; ++p) {
@@ -1012,10 +1021,10 @@ void panel_matmul(const float* x, int64_t m, int64_t k_len, const typename S::T*
                        y + r * n + p * PANEL_NR, n, cols);
           continue;
         }
-        buf.resize(k_len * PANEL_NR);
-        widen_panel<S>(w, n, k_len, p, buf.data());
+        float* buf = scratch(1, k_len * PANEL_NR);
+        widen_panel<S>(w, n, k_len, p, buf);
         for (int64_t r = m0; r < m1; r += PANEL_MR)
-          panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, buf.data(), b, y + r * n + p * PANEL_NR,
+          panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, buf, b, y + r * n + p * PANEL_NR,
                      n, cols);
       }
     }
@@ -1197,16 +1206,19 @@ template <int64_t R>
   }
 }
 
-// y [m, n] float32 = x [m, K] float32 @ w^T (+ bias), w as q4_pack made it; panel_matmul's
-// threading and row chunks.
+// y [m, n] bfloat16 = x [m, K] float32 @ w^T (+ bias), w as q4_pack made it; panel_matmul's
+// threading and row chunks. Each panel's float32 sums go to a small per-thread tile
+// ([chunk rows][PANEL_NR]) and are rounded once into y there: no float32 [m, n] result and no
+// second pass over it (a one-row step's matmul is a few microseconds of work; the copies and
+// allocations around it were a third of its time).
 void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w, int64_t n, const float* bias,
-                     float* y) {
+                     uint16_t* y) {
   const int64_t groups = k_len / 32, bstride = groups * Q4_BLOCK, blocks = n / 16;
   const int64_t panels = (n + PANEL_NR - 1) / PANEL_NR, full = n / PANEL_NR;
   const int64_t chunk = std::max<int64_t>(PANEL_MR, PANEL_CHUNK_BYTES / (k_len * 4) / PANEL_MR * PANEL_MR);
   const int64_t grain = m * k_len * n < (1 << 16) ? panels : 1;
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-    std::vector<float> buf;
+    float* out = scratch(0, std::min(m, chunk) * PANEL_NR);
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
       const int64_t m1 = std::min(m, m0 + chunk);
       for (int64_t p = p0; p < p1; ++p) {
@@ -1215,20 +1227,21 @@ void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w,
         alignas(64) float tail_bias[PANEL_NR] = {};
         if (bias && cols < PANEL_NR) std::memcpy(tail_bias, bias + p * PANEL_NR, cols * sizeof(float));
         const float* b = !bias ? nullptr : cols < PANEL_NR ? tail_bias : bias + p * PANEL_NR;
-        float* yp = y + m0 * n + p * PANEL_NR;
         if (p < full && m1 - m0 <= 4) {
           const float* xp = x + m0 * k_len;
-          if (m1 - m0 == 4) q4_direct_tile<4>(xp, k_len, pn, b, yp, n);
-          else if (m1 - m0 == 3) q4_direct_tile<3>(xp, k_len, pn, b, yp, n);
-          else if (m1 - m0 == 2) q4_direct_tile<2>(xp, k_len, pn, b, yp, n);
-          else q4_direct_tile<1>(xp, k_len, pn, b, yp, n);
-          continue;
+          if (m1 - m0 == 4) q4_direct_tile<4>(xp, k_len, pn, b, out, PANEL_NR);
+          else if (m1 - m0 == 3) q4_direct_tile<3>(xp, k_len, pn, b, out, PANEL_NR);
+          else if (m1 - m0 == 2) q4_direct_tile<2>(xp, k_len, pn, b, out, PANEL_NR);
+          else q4_direct_tile<1>(xp, k_len, pn, b, out, PANEL_NR);
+        } else {
+          float* wbuf = scratch(1, k_len * PANEL_NR);
+          q4_decode_panel(pn, groups, p < full ? 2 : static_cast<int>(blocks - 2 * p), wbuf);
+          for (int64_t r = m0; r < m1; r += PANEL_MR)
+            panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, wbuf, b,
+                       out + (r - m0) * PANEL_NR, PANEL_NR, cols);
         }
-        buf.resize(k_len * PANEL_NR);
-        q4_decode_panel(pn, groups, p < full ? 2 : static_cast<int>(blocks - 2 * p), buf.data());
-        for (int64_t r = m0; r < m1; r += PANEL_MR)
-          panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, buf.data(), b,
-                     y + r * n + p * PANEL_NR, n, cols);
+        for (int64_t r = m0; r < m1; ++r)
+          for (int64_t c = 0; c < cols; ++c) y[r * n + p * PANEL_NR + c] = BF16::st(out[(r - m0) * PANEL_NR + c]);
       }
     }
   });
@@ -1264,11 +1277,22 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& packed, const std::o
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 #if defined(TINYLLM_Q4_FLOAT)
-  if (!portable) {  // float32 rows in and out, the output rounded once to bfloat16
-    const auto xf = x.to(at::kFloat).contiguous();
-    auto yf = at::empty({rows, n}, xf.options());
-    q4_float_matmul(xf.data_ptr<float>(), rows, k, wp, n, bp, yf.data_ptr<float>());
-    return yf.to(at::kBFloat16);
+  if (!portable) {  // x widened once (a decode step's few rows into this thread's scratch)
+    at::Tensor xt;
+    const float* xf;
+    if (rows * k <= (1 << 16)) {
+      const auto xc = x.contiguous();
+      const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+      float* xs = scratch(2, rows * k);
+      for (int64_t i = 0; i < rows * k; ++i) xs[i] = BF16::ld(xb[i]);
+      xf = xs;
+    } else {
+      xt = x.to(at::kFloat).contiguous();
+      xf = xt.data_ptr<float>();
+    }
+    auto y = at::empty({rows, n}, x.options());
+    q4_float_matmul(xf, rows, k, wp, n, bp, reinterpret_cast<uint16_t*>(y.data_ptr()));
+    return y;
   }
 #endif
   const auto xc = x.contiguous();
