@@ -22,9 +22,9 @@ What each form computes (the same math as the dequantized weights, up to stated 
   The same int8 rows serve the embedding lookup and the output projection: one copy.
 - The activation dtype is bfloat16 (both 4-bit kernels' inputs); everything that is not a
   quantized matmul (norms, attention, K/V) runs as in the dequantized model.
-- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on the bfloat16 dot path only:
-  ``unpacks``): ``Q4Linear`` unpacks its
-  weight to bfloat16 for that call (transient, never kept) and runs oneDNN's bfloat16 matmul.
+- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on the bfloat16 dot path
+  only: ``unpacks``): ``Q4Linear`` unpacks its weight to bfloat16 for that call (transient,
+  never kept) and runs oneDNN's bfloat16 matmul.
   The 4-bit kernel's bf16 dot products win when few rows share each weight read (decoding); at
   many rows of a 1536 x 8960 layer they reach ~174 GFLOP/s, oneDNN's bfloat16 matmul ~2,350
   (AMX, Sapphire Rapids, measured) or ~430 (AVX512-BF16 without AMX, Zen 4: the figure of the
@@ -36,10 +36,10 @@ What each form computes (the same math as the dequantized weights, up to stated 
 
 Invariants: a ``QuantWeight`` is the only copy of its weight once the model is built (no float
 copy is kept); ``Q4Linear(x)`` and ``Int4Linear(x)`` equal ``F.linear(x, dequantize())`` up to
-bfloat16 rounding (tests compare them); below the unpacked path, a row of ``Q4Linear(x)`` does not
-depend on the other rows of ``x`` (bitwise: each row's sums run in one fixed order); 4-bit forms want ``K`` a multiple of 32 and ``N`` a
-multiple of 16 (checked when a tensor is read, so an odd shape stays dequantized instead of
-failing).
+bfloat16 rounding (tests compare them); below the unpacked path, a row of ``Q4Linear(x)`` does
+not depend on the other rows of ``x`` (bitwise: each row's sums run in one fixed order); 4-bit
+forms want ``K`` a multiple of 32 and ``N`` a multiple of 16 (checked when a tensor is read, so
+an odd shape stays dequantized instead of failing).
 """
 
 from __future__ import annotations
