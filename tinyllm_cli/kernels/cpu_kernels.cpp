@@ -603,6 +603,34 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
   return x;
 }
 
+// ---- per-thread scratch -------------------------------------------------------------------
+
+// Per-thread scratch buffers, kept across calls: one slot per use, grown to at least n floats.
+// A buffer allocated per call costs a malloc each time, and past glibc's mmap threshold (128 KB)
+// fresh pages to fault in on every call. A slot is used by one function at a time per thread.
+enum ScratchSlot { kTileOut, kPanelBuf, kRowsIn, kScratchSlots };
+inline float* scratch(ScratchSlot slot, int64_t n) {
+  thread_local std::vector<float> bufs[kScratchSlots];
+  auto& b = bufs[slot];
+  if (static_cast<int64_t>(b.size()) < n) b.resize(n);
+  return b.data();
+}
+
+// x [M, K] as contiguous float32 rows for a matmul: a decode step's few bfloat16 rows widened
+// into the calling thread's scratch (no tensor allocated, no dispatch: a one-row matmul is a
+// few microseconds of work), else x.to(float32) (no copy when x already is), held in ``keep``.
+inline const float* float_rows(const at::Tensor& x, at::Tensor& keep) {
+  if (x.scalar_type() == at::kBFloat16 && x.numel() <= (1 << 16)) {
+    keep = x.contiguous();
+    const auto* xb = reinterpret_cast<const uint16_t*>(keep.data_ptr());
+    float* xs = scratch(kRowsIn, x.numel());
+    for (int64_t i = 0; i < x.numel(); ++i) xs[i] = BF16::ld(xb[i]);
+    return xs;
+  }
+  keep = x.to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
 // ---- int8 weight-only matmul for a few rows --------------------------------------------------
 
 // y[m][n] = scale[n] * sum_k x[m][k] * q[n][k] for n in [n0, n1), every row m; x is float32.
@@ -647,27 +675,21 @@ template <typename O>
                                  typename O::T* y, int64_t n_out, int64_t n0, int64_t n1) {
   int64_t n = n0;
 #if defined(__AVX512F__) || defined(__AVX2__)
-  constexpr int R = 8, MT = 4, RT = kLanes == 16 ? 4 : 2;
+  constexpr int R = 8;
   const char* end = reinterpret_cast<const char*>(q + n1 * k);
   for (; n + R <= n1; n += R) {
     const char* ahead = reinterpret_cast<const char*>(q + (n + 2 * R) * k);
     for (int64_t o = 0; o < R * k && ahead + o < end; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-    int64_t m = 0;
-    for (; m + MT <= rows; m += MT)
+    // Activation rows m .. m + MT - 1 against the block's R weight rows, RT at a time.
+    auto tiles = [&]<int RT, int MT>(int64_t m) {
       for (int64_t r = 0; r < R; r += RT)
         int8_tile<O, RT, MT>(xf + m * k, k, q + (n + r) * k, scale + n + r, y + m * n_out + n + r, n_out);
-    for (; m + 2 <= rows; m += 2) {
-      int8_tile<O, 4, 2>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
-      int8_tile<O, 4, 2>(xf + m * k, k, q + (n + 4) * k, scale + n + 4, y + m * n_out + n + 4, n_out);
-    }
-    for (; m < rows; ++m) {
-      if constexpr (kLanes == 16) {
-        int8_tile<O, R, 1>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
-      } else {  // 8 widened weights and 8 accumulators would not fit AVX2's registers
-        int8_tile<O, 4, 1>(xf + m * k, k, q + n * k, scale + n, y + m * n_out + n, n_out);
-        int8_tile<O, 4, 1>(xf + m * k, k, q + (n + 4) * k, scale + n + 4, y + m * n_out + n + 4, n_out);
-      }
-    }
+    };
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) tiles.template operator()<kLanes == 16 ? 4 : 2, 4>(m);
+    for (; m + 2 <= rows; m += 2) tiles.template operator()<4, 2>(m);
+    // One row: 8 widened weights and 8 accumulators would not fit AVX2's 16 registers.
+    for (; m < rows; ++m) tiles.template operator()<kLanes == 16 ? R : 4, 1>(m);
   }
 #endif
   for (; n < n1; ++n) {
@@ -685,11 +707,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(x.size(1) == q.size(1) && q.size(1) % 16 == 0, "K must match and be a multiple of 16");
   TORCH_CHECK(scale.numel() == q.size(0) && scale.scalar_type() == x.scalar_type(), "scale [N] in x's dtype");
   const int64_t rows = x.size(0), k = x.size(1), n_out = q.size(0);
-  const auto xf = x.to(at::kFloat).contiguous();
+  at::Tensor keep;
+  const float* xp = float_rows(x, keep);
   const auto sc = scale.to(at::kFloat).contiguous();
   auto y = at::empty({rows, n_out}, x.options().dtype(float32_out ? at::kFloat : x.scalar_type()));
   auto run = [&]<typename O>() {
-    const float* xp = xf.data_ptr<float>();
     const float* sp = sc.data_ptr<float>();
     auto* yp = ptr<O>(y);
     const int64_t threads = at::get_num_threads();
@@ -902,16 +924,6 @@ void q4_rows_fast(const uint16_t* x, int64_t rows, int64_t k, const float* xsum,
 #endif
 
 
-// Per-thread scratch buffers, kept across calls: slot i of the calling thread, grown to at least
-// n floats. A buffer allocated per call costs a malloc each time, and past glibc's mmap
-// threshold (128 KB) fresh pages to fault in on every call.
-inline float* scratch(int slot, int64_t n) {
-  thread_local std::vector<float> bufs[3];
-  auto& b = bufs[slot];
-  if (static_cast<int64_t>(b.size()) < n) b.resize(n);
-  return b.data();
-}
-
 // ---- panel_linear: tinyllm's own float32 matmul ---------------------------------------------
 
 // y [M, N] = x [M, K] @ w^T (+ bias), w as panel_pack laid it out: column panels of PANEL_NR
@@ -1021,7 +1033,7 @@ void panel_matmul(const float* x, int64_t m, int64_t k_len, const typename S::T*
                        y + r * n + p * PANEL_NR, n, cols);
           continue;
         }
-        float* buf = scratch(1, k_len * PANEL_NR);
+        float* buf = scratch(kPanelBuf, k_len * PANEL_NR);
         widen_panel<S>(w, n, k_len, p, buf);
         for (int64_t r = m0; r < m1; r += PANEL_MR)
           panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, buf, b, y + r * n + p * PANEL_NR,
@@ -1059,19 +1071,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(),
               "panel_linear: x [M, K] and a packed w [N, K]");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  const auto xf = x.to(at::kFloat).contiguous();
+  at::Tensor keep;
+  const float* xf = float_rows(x, keep);
   at::Tensor b;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, "panel_linear: bias must have N elements");
     b = bias->to(at::kFloat).contiguous();  // no copy for a float32 model's bias
   }
-  auto y = at::empty({m, n}, xf.options());
+  auto y = at::empty({m, n}, x.options().dtype(at::kFloat));
 #if defined(__AVX512F__) || defined(__AVX2__)
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (w.scalar_type() == at::kFloat)
-    panel_matmul<F32>(xf.data_ptr<float>(), m, k, w.data_ptr<float>(), n, bp, y.data_ptr<float>());
+    panel_matmul<F32>(xf, m, k, w.data_ptr<float>(), n, bp, y.data_ptr<float>());
   else
-    panel_matmul<BF16>(xf.data_ptr<float>(), m, k, ptr<BF16>(w), n, bp, y.data_ptr<float>());
+    panel_matmul<BF16>(xf, m, k, ptr<BF16>(w), n, bp, y.data_ptr<float>());
 #endif
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -1218,7 +1231,7 @@ void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w,
   const int64_t chunk = std::max<int64_t>(PANEL_MR, PANEL_CHUNK_BYTES / (k_len * 4) / PANEL_MR * PANEL_MR);
   const int64_t grain = m * k_len * n < (1 << 16) ? panels : 1;
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-    float* out = scratch(0, std::min(m, chunk) * PANEL_NR);
+    float* out = scratch(kTileOut, std::min(m, chunk) * PANEL_NR);
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
       const int64_t m1 = std::min(m, m0 + chunk);
       for (int64_t p = p0; p < p1; ++p) {
@@ -1234,7 +1247,7 @@ void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w,
           else if (m1 - m0 == 2) q4_direct_tile<2>(xp, k_len, pn, b, out, PANEL_NR);
           else q4_direct_tile<1>(xp, k_len, pn, b, out, PANEL_NR);
         } else {
-          float* wbuf = scratch(1, k_len * PANEL_NR);
+          float* wbuf = scratch(kPanelBuf, k_len * PANEL_NR);
           q4_decode_panel(pn, groups, p < full ? 2 : static_cast<int>(blocks - 2 * p), wbuf);
           for (int64_t r = m0; r < m1; r += PANEL_MR)
             panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, wbuf, b,
@@ -1277,19 +1290,9 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& packed, const std::o
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 #if defined(TINYLLM_Q4_FLOAT)
-  if (!portable) {  // x widened once (a decode step's few rows into this thread's scratch)
-    at::Tensor xt;
-    const float* xf;
-    if (rows * k <= (1 << 16)) {
-      const auto xc = x.contiguous();
-      const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-      float* xs = scratch(2, rows * k);
-      for (int64_t i = 0; i < rows * k; ++i) xs[i] = BF16::ld(xb[i]);
-      xf = xs;
-    } else {
-      xt = x.to(at::kFloat).contiguous();
-      xf = xt.data_ptr<float>();
-    }
+  if (!portable) {
+    at::Tensor keep;
+    const float* xf = float_rows(x, keep);
     auto y = at::empty({rows, n}, x.options());
     q4_float_matmul(xf, rows, k, wp, n, bp, reinterpret_cast<uint16_t*>(y.data_ptr()));
     return y;
