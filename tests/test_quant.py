@@ -108,19 +108,61 @@ def test_q4_linear_equals_f_linear_on_the_dequantized_weight(qtype, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16-acts", "int8-acts"])
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K], ids=lambda q: q.name)
-def test_a_q4_linear_row_does_not_depend_on_the_rows_beside_it(qtype):
+def test_a_q4_linear_row_does_not_depend_on_the_rows_beside_it(qtype, int8):
     """Batch invariance: each row of a step gets bitwise the output it gets alone, at every row
     count the vector path tiles differently (1-4 rows in registers, more through a decoded
     panel on the float32 path; 4/2/1-row tiles on the bfloat16 dot path). Speculative decoding's
-    verify step of k + 1 rows then reproduces plain decoding's one-row steps exactly."""
+    verify step of k + 1 rows then reproduces plain decoding's one-row steps exactly. With int8
+    activations each row is quantized on its own, so the same holds (3-row tiles, 48-row chunks)."""
     rows, cols = 48, 512 if qtype == QT.Q4_K else 96
     q = from_gguf(_raw(qtype, rows, cols, seed=7), qtype.name, rows, cols)
-    lin = Q4Linear(q, torch.randn(rows).bfloat16())
-    x = torch.randn(40, cols).bfloat16()
+    lin = Q4Linear(q, torch.randn(rows).bfloat16(), int8=int8)
+    x = torch.randn(60, cols).bfloat16()
     alone = torch.cat([lin(x[i:i + 1]) for i in range(len(x))])
-    for m in (2, 3, 4, 5, 6, 7, 13, 40):
+    for m in (2, 3, 4, 5, 6, 7, 13, 40, 60):
         assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
+
+
+def _q8(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] after llama.cpp's Q8_0 round trip, written independently of the kernel: per group
+    of 32, d = max|x| / 127 and round-half-even(x * 127 / max|x|) * d."""
+    g = x.float().reshape(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round((g * inv).clamp(-127, 127)) * (amax / 127.0)).reshape(x.shape)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("bias", [False, True])
+def test_q4_linear_with_int8_activations_is_the_q8_round_trip_times_the_weight(qtype, bias):
+    """``q4_q8_linear``: its vector path equals its plain loops bit for bit (integer sums are
+    exact and the float32 steps are the same), and both equal F.linear of the Q8_0 round trip of
+    x with the dequantized weight, up to float32 sums and bfloat16 output rounding. Row counts
+    leave every tile remainder (3-row tiles) and cross the 48-row chunk."""
+    rows, cols = 80 if qtype != QT.Q4_K else 48, 512 if qtype == QT.Q4_K else 96
+    q = from_gguf(_raw(qtype, rows, cols, seed=5), qtype.name, rows, cols)
+    b = torch.randn(rows).bfloat16() if bias else None
+    lin = Q4Linear(q, b, int8=True)
+    w = q.dequantize().double()
+    gen = torch.Generator().manual_seed(11)
+    for m in (1, 2, 3, 4, 5, 8, 17, 40, 100):
+        x = torch.randn(m, cols, generator=gen).bfloat16()
+        x[0, :7] *= 30  # an outlier channel, as real activations have: its group's step grows
+        got = lin(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, rows)
+        assert torch.equal(got, torch.ops.tinyllm.q4_q8_linear_portable(x, lin.packed, lin.bias)), f"{m} rows"
+        bd = None if b is None else b.double()
+        ref = F.linear(_q8(x).double(), w, bd)
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 5e-3, f"{qtype.name}, {m} rows: max error {err:.3g} of the largest output"
+        # The cost of quantizing x at all: real, and bounded (a step of max|x| / 127 per group;
+        # 1-3% here, where row 0 has an outlier 30x its neighbours; measured up to 3.2% over 300 seeds).
+        exact = F.linear(x.double(), w, bd)
+        cost = ((ref - exact).norm() / exact.norm()).item()
+        assert 1e-4 < cost < 0.06, f"{m} rows: int8 activations moved the output by {cost:.3g}"
 
 
 @needs_kernels
@@ -195,18 +237,20 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], list(range(10, 40)), [300, 2, 8]]
 
 
 @pytest.mark.parametrize("kernel", [pytest.param("tinyllm", marks=needs_kernels),
+                                    pytest.param("tinyllm-int8", marks=needs_kernels),
                                     pytest.param("torch", marks=needs_int4)])
 def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_gguf, kernel, monkeypatch):
-    if kernel == "tinyllm" and not quant.q4_usable(torch.device("cpu")):
+    if kernel != "torch" and not quant.q4_usable(torch.device("cpu")):
         pytest.skip("tinyllm's 4-bit kernel runs where its build has an AVX2 or AVX-512 path")  # the kernels loaded
     if kernel == "torch":  # what a CPU without AVX2 (or without a compiler) runs
         monkeypatch.setattr(quant, "q4_usable", lambda device: False)
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
-    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
-    assert model.quant == "gguf"
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", int8_activations=kernel == "tinyllm-int8")
+    assert model.quant == "gguf" and model.int8_activations == (kernel == "tinyllm-int8")
     layer = model.layers[0]
-    kind = Q4Linear if kernel == "tinyllm" else Int4Linear
-    assert all(isinstance(m, kind) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    kind = Int4Linear if kernel == "torch" else Q4Linear
+    mods = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    assert all(isinstance(m, kind) and getattr(m, "int8", False) == model.int8_activations for m in mods)
     assert isinstance(model.embed, Int8Embedding)
     biggest_float = max(p.numel() for p in model.parameters())
     assert biggest_float <= LLAMA_SHAPE["hidden_size"]  # only norm vectors stay as float parameters
@@ -258,13 +302,17 @@ def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch):
 
 
 @needs_int4  # quant: gguf runs only where torch has its int4 matmul (runtime.check_quant), the fallback
-def test_quantized_engine_equals_no_cache_recompute(q4_gguf):
-    """Cache equivalence holds for any weights: the paged engine (with preemption) produces the
-    tokens a full recompute of the same quantized model produces."""
+@pytest.mark.parametrize("int8", [False, pytest.param(True, marks=needs_kernels)], ids=["bf16-acts", "int8-acts"])
+def test_quantized_engine_equals_no_cache_recompute(q4_gguf, int8):
+    """Cache equivalence holds for any weights: the paged engine (with preemption; its layers one
+    kernel call each) produces the tokens a full recompute of the same quantized model (its
+    modules, one call each) produces."""
+    if int8 and not quant.q4_usable(torch.device("cpu")):
+        pytest.skip("int8 activations run on tinyllm's 4-bit kernel (AVX2 or AVX-512)")
     cfg = Config(model=str(q4_gguf), quant="gguf", dtype="bfloat16")
     cfg.cache.block_size, cfg.cache.num_blocks = 4, 12
     ck = load_checkpoint(cfg.model, progress=False, quant="gguf")
-    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", int8_activations=int8)
     rt = Runtime.of_model(model, ck, torch.device("cpu"), torch.bfloat16, 0.0)
     eng = make_engine(cfg, rt)
     p = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -278,7 +326,8 @@ def test_quantized_engine_equals_no_cache_recompute(q4_gguf):
 
 
 @needs_kernels
-def test_speculative_greedy_on_the_4bit_kernel_equals_plain_decoding(q4_gguf):
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16-acts", "int8-acts"])
+def test_speculative_greedy_on_the_4bit_kernel_equals_plain_decoding(q4_gguf, int8):
     """Batch invariance end to end: with the 4-bit kernel, prompt-lookup speculation (verify
     steps of up to k + 1 rows per sequence, beside other sequences' rows) gives exactly the
     tokens of plain decoding, and the pool is empty afterwards."""
@@ -288,8 +337,8 @@ def test_speculative_greedy_on_the_4bit_kernel_equals_plain_decoding(q4_gguf):
     from tinyllm_cli.engine.engine import LLMEngine
     from tinyllm_cli.engine.speculative import NgramDrafter, Speculation
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
-    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
-    assert isinstance(model.layers[0].gate_up, Q4Linear)
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", int8_activations=int8)
+    assert isinstance(model.layers[0].gate_up, Q4Linear) and model.layers[0].gate_up.int8 == int8
     prompts = [[5, 17, 99, 5, 17, 99, 5, 17], list(range(10, 40)) * 2, [300, 2, 8, 300, 2]]
     p = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
@@ -304,6 +353,32 @@ def test_speculative_greedy_on_the_4bit_kernel_equals_plain_decoding(q4_gguf):
     spec, eng = go(Speculation("ngram", 4, NgramDrafter(1, 3)))
     assert spec == plain
     assert eng.stats.spec_drafted_tokens > 0
+
+
+def test_quant_activations_resolve_per_cpu_and_bad_settings_are_one_sentence(q4_gguf, tmp_path, capsys):
+    """'auto' means int8 exactly where the 4-bit kernel would otherwise run on float32 FMAs; the
+    run's title and stats say which ran; int8 without quant: gguf, or an unknown value, is a
+    usage error before anything loads."""
+    import json
+    from test_cli import cli
+    cpu = torch.device("cpu")
+    float_path = quant.q4_usable(cpu) and torch.ops.tinyllm.q4_isa() in ("avx2", "avx512")
+    assert quant.int8_activations("auto", cpu) == float_path
+    assert not quant.int8_activations("bfloat16", cpu)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": PROMPTS[0]}) + "\n")
+    model = ["-p", prompts, "--model", q4_gguf, "--max-new-tokens", 2]
+    if quant.q4_usable(cpu):
+        assert quant.int8_activations("int8", cpu)
+        stats = tmp_path / "stats.json"
+        code, out, err = cli(capsys, "generate", *model, "--quant", "gguf", "--quant-activations", "int8",
+                             "--stats-json", stats)
+        assert code == 0 and "int8 activations" in " ".join(err.split()), err  # the table title (wrapped)
+        assert json.loads(stats.read_text())["int8_activations"] is True
+    code, _, err = cli(capsys, "generate", *model, "--quant-activations", "int8")
+    assert code == 2 and "is int8, which applies to quant: gguf only" in err and "Traceback" not in err
+    code, _, err = cli(capsys, "generate", *model, "--quant", "gguf", "--quant-activations", "int4")
+    assert code == 2 and "must be one of auto, bfloat16, int8, not 'int4'" in err
 
 
 # ---- the GGUF header reader ------------------------------------------------------------------

@@ -56,6 +56,7 @@ SHARED: dict[str, tuple[object, object]] = {
     "dtype": (Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")], None),
     "gemm": (Annotated[Optional[str], typer.Option(help="Weight matmuls: auto (CPU: panel on AVX2-only CPUs, else oneDNN), panel (tinyllm's kernel), onednn or torch.")], None),
     "quant": (Annotated[Optional[str], typer.Option(help="Weights: none (dequantize) or gguf (keep a GGUF's 4-/8-bit blocks; CPU, bfloat16).")], None),
+    "quant_activations": (Annotated[Optional[str], typer.Option(help="With --quant gguf, what the 4-bit matmuls multiply: bfloat16 (the default), int8 (quantized per group of 32, as llama.cpp does) or auto (int8 on CPUs without bfloat16 dot products, where it is faster).")], None),
     "attention": (Annotated[Optional[str], typer.Option("--attention", help="Attention over the cache: auto, kernel (tinyllm's CPU kernel, reads K/V in the blocks) or gather (PyTorch SDPA on copied K/V).")], None),
     "cache": (Annotated[Optional[str], typer.Option("--cache", help="KV cache kind: paged or slot.")], None),
     "block_size": (Annotated[Optional[int], typer.Option(help="Tokens per KV block (paged cache).")], None),
@@ -99,7 +100,7 @@ SHARED: dict[str, tuple[object, object]] = {
     "plot": (Annotated[Optional[Path], typer.Option("--plot", help="Draw the results into FILE.png or FILE.svg (needs tinyllm[plot]).")], None),
 }
 GROUPS = {
-    "MODEL": ("config", "model", "device", "dtype", "gemm", "quant", "attention"),
+    "MODEL": ("config", "model", "device", "dtype", "gemm", "quant", "quant_activations", "attention"),
     "CACHE": ("cache", "block_size", "num_blocks", "kv_memory", "max_model_len", "prefix_cache"),
     "SCHEDULER": ("max_num_seqs", "max_prefill_tokens"),
     "SAMPLING": ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",

@@ -95,6 +95,7 @@ class Config:
     dtype: str = "auto"
     gemm: str = "auto"
     quant: str = "none"  # 'gguf': keep a GGUF file's 4-bit/8-bit weights quantized (model/quant.py)
+    quant_activations: str = "bfloat16"  # what quant: gguf's 4-bit matmuls multiply (model/quant.py)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -107,6 +108,7 @@ SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "sampling": Samp
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 GEMMS = ("auto", "panel", "onednn", "torch")  # see model/gemm.py
 QUANTS = ("none", "gguf")  # see model/quant.py
+QUANT_ACTIVATIONS = ("auto", "bfloat16", "int8")  # see model/quant.py
 
 
 def _hints(cls) -> dict[str, object]:
@@ -310,6 +312,12 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
         raise UsageError(f"gemm{at('gemm', '')} must be one of {', '.join(GEMMS)}, not {cfg.gemm!r}")
     if cfg.quant not in QUANTS:
         raise UsageError(f"quant{at('quant', '')} must be one of {', '.join(QUANTS)}, not {cfg.quant!r}")
+    if cfg.quant_activations not in QUANT_ACTIVATIONS:
+        raise UsageError(f"quant_activations{at('quant_activations', '')} must be one of "
+                         f"{', '.join(QUANT_ACTIVATIONS)}, not {cfg.quant_activations!r}")
+    if cfg.quant_activations == "int8" and cfg.quant == "none":
+        raise UsageError(f"quant_activations{at('quant_activations', '')} is int8, which applies to quant: gguf only "
+                         f"(here quant is none); drop it or set quant: gguf")
     from .cache.attention import ATTENTION_PATHS
     if c.attention not in ATTENTION_PATHS:
         raise UsageError(f"cache.attention{at('cache.attention', '')} must be one of {', '.join(ATTENTION_PATHS)}, "

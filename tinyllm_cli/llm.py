@@ -32,7 +32,7 @@ from .io import RequestBuilder
 from .runtime import Runtime, load_runtime, make_engine
 
 # Settings that need a new model or cluster: ``reconfigure`` refuses them.
-MODEL_KEYS = {"model", "device", "dtype", "gemm", "quant"}
+MODEL_KEYS = {"model", "device", "dtype", "gemm", "quant", "quant_activations"}
 
 Prompt = str | list[int] | dict
 

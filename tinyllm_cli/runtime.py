@@ -24,7 +24,7 @@ from .errors import TinyLLMError, UsageError
 from .model.checkpoint import Checkpoint, load_checkpoint
 from .model.gemm import resolve_gemm
 from .model.llama import LlamaModel, ModelConfig, build_model
-from .model.quant import ACT_DTYPE, int4_usable
+from .model.quant import ACT_DTYPE, int4_usable, int8_activations
 from .model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,6 +63,7 @@ class Placement:
     device: torch.device
     dtype: torch.dtype
     gemm: str
+    int8_activations: bool = False  # quant: gguf's 4-bit matmuls quantize their input
 
     @classmethod
     def resolve(cls, cfg: Config) -> "Placement":
@@ -70,7 +71,8 @@ class Placement:
         dtype = resolve_dtype(cfg.dtype, device, cfg.quant)
         check_quant(cfg.quant, dtype, device)
         try:
-            return cls(device, dtype, resolve_gemm(cfg.gemm, dtype, device))
+            int8 = cfg.quant != "none" and int8_activations(cfg.quant_activations, device)
+            return cls(device, dtype, resolve_gemm(cfg.gemm, dtype, device), int8)
         except ValueError as e:
             raise UsageError(str(e))
 
@@ -89,16 +91,19 @@ class Runtime:
     model: LlamaModel | None = None  # None on a cluster's driver: the workers hold the models
     workers: int = 1  # engines serving the run (Ray workers, or 1 in-process)
     drafts: dict = field(default_factory=dict)  # draft models by spec, loaded once (speculative: draft)
+    int8_activations: bool = False  # the 4-bit matmuls quantize their input (quant_activations)
 
     def facts(self) -> dict:
         """What ran, for stats files and bench rows (the same keys in-process and on a cluster)."""
         return {"model": self.model_name, "load_s": round(self.load_s, 3),
                 "dtype": str(self.dtype).removeprefix("torch."), "gemm": self.gemm, "quant": self.quant,
+                "int8_activations": self.int8_activations,
                 "native_kernels": self.native_kernels, "device": str(self.device), "num_workers": self.workers}
 
     def describe(self) -> str:
         """What ran, for table titles: model · dtype · matmul path · device (x workers)."""
         quant = " · int4/int8 weights" if self.quant != "none" else ""
+        quant += " · int8 activations" if self.int8_activations else ""
         where = f"{self.device} x {self.workers} Ray workers" if self.workers > 1 else str(self.device)
         return f"{self.model_name} · {str(self.dtype).removeprefix('torch.')} · gemm {self.gemm}{quant} · {where}"
 
@@ -106,13 +111,15 @@ class Runtime:
     def of_model(cls, model: LlamaModel, ck: Checkpoint, device: torch.device, dtype: torch.dtype,
                  load_s: float) -> "Runtime":
         return cls(model.cfg, ck.tokenizer, ck.name, device, dtype, model.gemm, model.quant,
-                   bool(getattr(model, "native", False)), load_s, model=model)
+                   bool(getattr(model, "native", False)), load_s, model=model,
+                   int8_activations=model.int8_activations)
 
     @classmethod
     def of_workers(cls, ck: Checkpoint, facts: dict, workers: int, load_s: float) -> "Runtime":
         """The driver's view of a pool whose first worker reported ``facts`` (its own ``facts()``)."""
         return cls(ck.config, ck.tokenizer, ck.name, torch.device(facts["device"]), DTYPES[facts["dtype"]],
-                   facts["gemm"], facts["quant"], facts["native_kernels"], load_s, workers=workers)
+                   facts["gemm"], facts["quant"], facts["native_kernels"], load_s, workers=workers,
+                   int8_activations=facts["int8_activations"])
 
 
 def load_runtime(cfg: Config, progress: bool = True) -> Runtime:
@@ -126,7 +133,8 @@ def runtime_from_checkpoint(ck: Checkpoint, where: Placement, t0: float) -> Runt
     """Build the model from a loaded checkpoint (in this process, or in a Ray worker that got the
     checkpoint through the object store)."""
     try:
-        model = build_model(ck.config, ck.weights, where.dtype, str(where.device), where.gemm)
+        model = build_model(ck.config, ck.weights, where.dtype, str(where.device), where.gemm,
+                            where.int8_activations)
     except ValueError as e:
         raise TinyLLMError(f"cannot build the model from {ck.source}: {e}")
     return Runtime.of_model(model, ck, where.device, where.dtype, time.perf_counter() - t0)
@@ -226,7 +234,8 @@ def load_draft(spec: str, rt: Runtime, quant: str) -> LlamaModel:
             raise UsageError(f"speculative.draft_model: {e}") from None
         check_draft_vocab(ck, rt)
         try:
-            rt.drafts[spec] = build_model(ck.config, ck.weights, rt.dtype, str(rt.device), rt.gemm)
+            rt.drafts[spec] = build_model(ck.config, ck.weights, rt.dtype, str(rt.device), rt.gemm,
+                                          rt.int8_activations)
         except ValueError as e:
             raise TinyLLMError(f"cannot build the draft model from {ck.source}: {e}")
     return rt.drafts[spec]

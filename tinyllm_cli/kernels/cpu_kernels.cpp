@@ -608,7 +608,7 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
 // Per-thread scratch buffers, kept across calls: one slot per use, grown to at least n floats.
 // A buffer allocated per call costs a malloc each time, and past glibc's mmap threshold (128 KB)
 // fresh pages to fault in on every call. A slot is used by one function at a time per thread.
-enum ScratchSlot { kTileOut, kPanelBuf, kRowsIn, kScratchSlots };
+enum ScratchSlot { kTileOut, kPanelBuf, kRowsIn, kQ8Rows, kScratchSlots };
 inline float* scratch(ScratchSlot slot, int64_t n) {
   thread_local std::vector<float> bufs[kScratchSlots];
   auto& b = bufs[slot];
@@ -1261,6 +1261,172 @@ void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w,
 }
 #endif
 
+// ---- the 4-bit matmul with int8 activations (integer dot products) --------------------------
+//
+// quant_activations: int8 (model/quant.py). Each row of x is quantized per group of 32 inputs as
+// llama.cpp's Q8_0 is: d = max|x| / 127, xq = round-half-even(x * (127 / max|x|)) in -127..127.
+// The result is exactly that of the dequantized weight against the dequantized row,
+//   y = sum_g (d_g * scale_g * sum_e q_e xq_e + min_g * d_g * sum_e xq_e),
+// with the inner sums in integers (exact) and the outer one in float32, group by group in order.
+// Nothing in it depends on the other rows of the step, so a row's output is bitwise the same
+// however many rows share the step (speculative decoding's verify steps rely on this).
+//
+// Why: without bfloat16 dot instructions the float32 path's rate is the FMA rate, 8 products
+// per instruction. vpmaddubsw multiplies 32 byte pairs and adds adjacent products in one
+// instruction, and a code needs one AND (or a shift and an AND) to become a byte instead of a
+// shift, an AND, an OR and an FMA to become a float32: ~1.5x the products per cycle on Zen 3.
+//
+// The codes are read straight from q4_pack's layout. Lane j of code vector i holds, in its four
+// low nibbles, inputs 8i + (0, 4, 1, 5) of output j, and in its high nibbles 8i + (2, 6, 3, 7);
+// q8_quantize stores each group's activations in that order, so one broadcast 32-bit word of x
+// meets the four codes of every output lane (vpmaddubsw then vpmaddwd sum them in the lane).
+// Per group, 8 vpmaddubsw results (each at most 2 * 15 * 127) add up in int16 without overflow.
+
+constexpr int kQ8Order[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // position t of a code vector's 8 inputs
+
+// Rows [m, k] float32 -> codes [m, k] (group-wise in kQ8Order), d [m, k/32], dsum = d * sum(codes).
+void q8_quantize(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* dsum) {
+  const int64_t groups = k / 32;
+  at::parallel_for(0, m * groups, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xg = x + i * 32;  // rows are contiguous, so group i of the flat array
+      float amax = 0.0f;
+      for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(xg[e]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int sum = 0;
+      for (int e = 0; e < 32; ++e) {
+        const int v = static_cast<int>(std::nearbyint(std::min(127.0f, std::max(-127.0f, xg[8 * (e / 8) + kQ8Order[e % 8]] * inv))));
+        q[i * 32 + e] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      d[i] = amax / 127.0f;
+      dsum[i] = d[i] * static_cast<float>(sum);
+    }
+  });
+}
+
+// The one float32 step per (row, output, group): acc += isum * (scale * d) + min * dsum.
+inline float q8_group(float acc, int32_t isum, float scale, float min, float d, float dsum) {
+  return std::fma(min, dsum, std::fma(static_cast<float>(isum), scale * d, acc));
+}
+
+// Plain loops, the reference the vector tile must match bit for bit (and the path without AVX2).
+void q4_q8_rows_portable(const int8_t* xq, const float* d, const float* dsum, int64_t m, int64_t k,
+                         const uint8_t* w, int64_t b0, int64_t b1, const float* bias, uint16_t* y, int64_t n) {
+  const int64_t groups = k / 32;
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < 16; ++j) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* gp = w + (b * groups + g) * Q4_BLOCK;
+          const int8_t* xg = xq + r * k + g * 32;
+          int32_t isum = 0;
+          for (int i = 0; i < 4; ++i)
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t byte = gp[i * 64 + j * 4 + t];
+              isum += (byte & 15) * xg[8 * i + t] + (byte >> 4) * xg[8 * i + 4 + t];
+            }
+          uint16_t sh, mh;
+          std::memcpy(&sh, gp + 256 + 2 * j, 2);
+          std::memcpy(&mh, gp + 288 + 2 * j, 2);
+          acc = q8_group(acc, isum, half_bits_to_float(sh), half_bits_to_float(mh), d[r * groups + g], dsum[r * groups + g]);
+        }
+        y[r * n + b * 16 + j] = q4_out(acc, bias, b * 16 + j);
+      }
+}
+
+#if defined(__AVX2__)
+#define TINYLLM_Q4_INT8 1
+// R (<= 3: 2R int16 and 2R float32 accumulators fill the 16 registers) rows x one block of 16
+// outputs, over every group: q4_q8_rows_portable's arithmetic, 8 outputs per register. Each row
+// tile decodes the codes again: decoding a block once into a byte buffer for all tiles was no
+// faster at 16-256 rows on Zen 3 (the vpmaddubsw rate bounds the tile, not the decode).
+template <int64_t R>
+[[gnu::noinline]] void q4_q8_tile(const int8_t* xq, const float* d, const float* dsum, int64_t k, const uint8_t* wb,
+                                  const float* bias, uint16_t* y, int64_t n) {
+  const int64_t groups = k / 32;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gp = wb + g * Q4_BLOCK;
+    for (int l = 0; l < Q4_BLOCK; l += 64) _mm_prefetch(reinterpret_cast<const char*>(gp + 2 * Q4_BLOCK + l), _MM_HINT_T0);
+    __m256i sum[R][2];
+    for (int64_t r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + i * 64));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + i * 64 + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, nib), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
+      const __m256i lo1 = _mm256_and_si256(v1, nib), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t wl, wh;
+        std::memcpy(&wl, xq + r * k + g * 32 + 8 * i, 4);
+        std::memcpy(&wh, xq + r * k + g * 32 + 8 * i + 4, 4);
+        const __m256i xl = _mm256_set1_epi32(wl), xh = _mm256_set1_epi32(wh);
+        sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh)));
+        sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh)));
+      }
+    }
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 256)));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 272)));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 288)));
+    const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 304)));
+    for (int64_t r = 0; r < R; ++r) {  // q8_group, 8 outputs at a time
+      const __m256 dr = _mm256_set1_ps(d[r * groups + g]), sr = _mm256_set1_ps(dsum[r * groups + g]);
+      const __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][0], ones));
+      const __m256 f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][1], ones));
+      acc[r][0] = _mm256_fmadd_ps(m0, sr, _mm256_fmadd_ps(f0, _mm256_mul_ps(s0, dr), acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(m1, sr, _mm256_fmadd_ps(f1, _mm256_mul_ps(s1, dr), acc[r][1]));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    alignas(32) float out[16];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    for (int c = 0; c < 16; ++c) y[r * n + c] = q4_out(out[c], bias, c);
+  }
+}
+#endif
+
+// y [m, n] bfloat16 = x [m, k] float32 @ w^T (+ bias) with x quantized per group (above).
+void q4_q8_matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, uint16_t* y,
+                  bool portable) {
+  const int64_t groups = k / 32, blocks = n / 16;
+  // Codes, d and dsum in the calling thread's scratch (float slots; the codes take k / 4 floats a row).
+  float* buf = scratch(kQ8Rows, m * (2 * groups + k / 4));
+  float *d = buf, *dsum = buf + m * groups;
+  auto* xq = reinterpret_cast<int8_t*>(buf + 2 * m * groups);
+  q8_quantize(x, m, k, xq, d, dsum);
+  // Rows in chunks: a thread's blocks are read once per chunk of rows, the chunk's codes stay in L2.
+  constexpr int64_t kRowChunk = 48;
+  const int64_t grain = m * k * n < (1 << 16) ? blocks : 1;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
+      const int64_t r1 = std::min(m, r0 + kRowChunk);
+#if defined(TINYLLM_Q4_INT8)
+      if (!portable) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const uint8_t* wb = w + b * groups * Q4_BLOCK;
+          const float* bb = bias ? bias + b * 16 : nullptr;
+          for (int64_t r = r0; r < r1; r += 3) {
+            const int8_t* xr = xq + r * k;
+            const float *dr = d + r * groups, *sr = dsum + r * groups;
+            uint16_t* yr = y + r * n + b * 16;
+            if (r1 - r >= 3) q4_q8_tile<3>(xr, dr, sr, k, wb, bb, yr, n);
+            else if (r1 - r == 2) q4_q8_tile<2>(xr, dr, sr, k, wb, bb, yr, n);
+            else q4_q8_tile<1>(xr, dr, sr, k, wb, bb, yr, n);
+          }
+        }
+        continue;
+      }
+#endif
+      q4_q8_rows_portable(xq + r0 * k, d + r0 * groups, dsum + r0 * groups, r1 - r0, k, w, b0, b1, bias,
+                          y + r0 * n, n);
+    }
+  });
+}
+
 // The 4-bit kernel's vector path on this build: "avx512-bf16" (bf16 dot products), "avx2" or
 // "avx512" (float32 FMAs), or "" (only the portable loops).
 std::string q4_isa() {
@@ -1275,18 +1441,22 @@ std::string q4_isa() {
 
 // x [M, K] bfloat16 @ w^T (+ bias) -> [M, N] bfloat16, w as q4_pack made it. ``portable`` forces
 // the plain loops (tests compare the two).
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                     bool portable) {
+// q4_linear's argument checks; returns the bias as float32 (undefined when there is none).
+at::Tensor q4_check(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "q4_linear: x must be bfloat16 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == Q4_BLOCK &&
               packed.is_contiguous(), "q4_linear: w must be q4_pack's [N/16, K/32, 320]");
+  TORCH_CHECK(packed.size(1) * 32 == x.size(1), "q4_linear: x has ", x.size(1), " inputs, the weight ", packed.size(1) * 32);
+  if (!bias.has_value()) return {};
+  auto b = bias->to(at::kFloat).contiguous();
+  TORCH_CHECK(b.numel() == packed.size(0) * 16, "q4_linear: bias must have N elements");
+  return b;
+}
+
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                     bool portable) {
+  const at::Tensor b = q4_check(x, packed, bias);
   const int64_t rows = x.size(0), k = x.size(1), groups = k / 32, blocks = packed.size(0), n = blocks * 16;
-  TORCH_CHECK(packed.size(1) * 32 == k, "q4_linear: x has ", k, " inputs, the weight ", packed.size(1) * 32);
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == n, "q4_linear: bias must have N elements");
-  }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 #if defined(TINYLLM_Q4_FLOAT)
@@ -1335,6 +1505,35 @@ at::Tensor q4_linear_portable(const at::Tensor& x, const at::Tensor& packed, con
   return q4_matmul(x, packed, bias, true);
 }
 
+// q4_linear with x quantized to int8 per group of 32 (q4_q8_matmul); ``portable`` forces the plain loops.
+at::Tensor q4_q8_linear_impl(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                             bool portable) {
+  const at::Tensor b = q4_check(x, packed, bias);
+  at::Tensor keep;
+  const float* xf = float_rows(x, keep);
+  auto y = at::empty({x.size(0), packed.size(0) * 16}, x.options());
+  q4_q8_matmul(xf, x.size(0), x.size(1), packed.data_ptr<uint8_t>(), packed.size(0) * 16,
+               b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), portable);
+  return y;
+}
+
+at::Tensor q4_q8_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return q4_q8_linear_impl(x, packed, bias, false);
+}
+
+at::Tensor q4_q8_linear_portable(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return q4_q8_linear_impl(x, packed, bias, true);
+}
+
+// Whether q4_q8_linear has its vector path (AVX2) on this build.
+bool q4_q8_fast() {
+#if defined(TINYLLM_Q4_INT8)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // ---- one decoder layer in one call ---------------------------------------------------------
 
 // A weight matmul as the Python model holds it (model/llama.py, fused_layer_args):
@@ -1342,7 +1541,7 @@ at::Tensor q4_linear_portable(const at::Tensor& x, const at::Tensor& packed, con
 // zeros, groups of 32); 2 = oneDNN with a pre-packed weight (model/gemm.py's PackedLinear);
 // 3 = q4_linear (w as q4_pack made it); 4 = kind 2 with the weight packed in float32 for a
 // bfloat16 model on a CPU without bfloat16 matmuls: x widened, the output rounded back to x's dtype;
-// 5 = panel_linear (w as panel_pack made it).
+// 5 = panel_linear (w as panel_pack made it); 6 = q4_q8_linear (kind 3 with int8 activations).
 at::Tensor run_linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& aux,
                       const std::optional<at::Tensor>& bias) {
   if (kind == 0) return at::linear(x, w, bias);
@@ -1357,6 +1556,10 @@ at::Tensor run_linear(int64_t kind, const at::Tensor& x, const at::Tensor& w, co
   if (kind == 5) {
     RECORD_FUNCTION("tinyllm::panel_linear", std::vector<c10::IValue>());
     return panel_linear(x, w, bias);
+  }
+  if (kind == 6) {
+    RECORD_FUNCTION("tinyllm::q4_q8_linear", std::vector<c10::IValue>());
+    return q4_q8_linear(x, w, bias);
   }
   TORCH_CHECK(kind == 2 || kind == 4, "unknown linear kind ", kind);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -1448,6 +1651,9 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def("q4_pack(Tensor codes, Tensor scale, Tensor min) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("q4_linear_portable(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("q4_q8_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("q4_q8_linear_portable(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("q4_q8_fast() -> bool", &q4_q8_fast);
   m.def("q4_isa() -> str", &q4_isa);
   m.def("panel_isa() -> str", &panel_isa);
   m.def("panel_pack(Tensor w) -> Tensor");
@@ -1468,6 +1674,8 @@ TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {
   m.impl("q4_pack", &q4_pack);
   m.impl("q4_linear", &q4_linear);
   m.impl("q4_linear_portable", &q4_linear_portable);
+  m.impl("q4_q8_linear", &q4_q8_linear);
+  m.impl("q4_q8_linear_portable", &q4_q8_linear_portable);
   m.impl("panel_pack", &panel_pack);
   m.impl("panel_linear", &panel_linear);
 }

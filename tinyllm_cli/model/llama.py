@@ -224,6 +224,7 @@ class LlamaModel(nn.Module):
         self.gemm = "torch"
         self.native = False  # see use_native_ops
         self.quant = "none"  # 'gguf' when some weights are held quantized (quant.py)
+        self.int8_activations = False  # whether the 4-bit matmuls quantize their input (quant.py)
 
     @property
     def device(self) -> torch.device:
@@ -263,10 +264,11 @@ class LlamaModel(nn.Module):
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype, device: str,
-                gemm: str = "auto") -> LlamaModel:
+                gemm: str = "auto", int8_activations: bool = False) -> LlamaModel:
     """Create the model on ``device`` from HF-named weights (``model.layers.N.self_attn.q_proj...``).
     ``gemm`` is 'auto', 'panel', 'onednn' or 'torch' (see ``gemm.py``); packing comes last because a
-    packed model can no longer be moved."""
+    packed model can no longer be moved. ``int8_activations``: the 4-bit matmuls quantize their
+    input (``quant.int8_activations``)."""
     with torch.device("meta"):
         model = LlamaModel(cfg)
     state = fuse_weights(cfg, weights)
@@ -278,13 +280,14 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
     missing = [n for n, p in model.named_parameters() if p.is_meta and n not in quantized]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:4])}")
-    install_quantized(model, quantized, state, device)
+    install_quantized(model, quantized, state, device, int8_activations)
     model = model.to(device=device, dtype=dtype)
     model.inv_freq = model.inv_freq.float()
     model = model.eval().requires_grad_(False)
     model.gemm = resolve_gemm(gemm, dtype, torch.device(device))
     pack_linears(model, model.gemm)
     model.quant = "gguf" if quantized else "none"
+    model.int8_activations = any(getattr(m, "int8", False) for m in model.modules())
     use_native_ops(model, native.load() if torch.device(device).type == "cpu" else False)
     return model
 
@@ -317,11 +320,11 @@ def fused_layer_args(layer: DecoderLayer) -> tuple | None:
 def _linear_spec(m: nn.Module) -> tuple | None:
     """(weight, kind, aux, bias) in the kernel's terms: 0 F.linear, 1 torch int4, 2 oneDNN packed,
     3 tinyllm's 4-bit layout, 4 oneDNN packed in float32 for a bfloat16 model, 5 tinyllm's
-    panels (gemm.py)."""
+    panels (gemm.py), 6 kind 3 with int8 activations."""
     if isinstance(m, Int4Linear):
         return m.packed, 1, m.scales_zeros, m.bias
     if isinstance(m, Q4Linear):
-        return m.packed, 3, None, m.bias
+        return m.packed, 6 if m.int8 else 3, None, m.bias
     if isinstance(m, PackedLinear):
         return m.packed, 4 if m.widen else 2, None, m.bias
     if isinstance(m, PanelLinear):
@@ -331,7 +334,8 @@ def _linear_spec(m: nn.Module) -> tuple | None:
     return None
 
 
-def install_quantized(model: LlamaModel, quantized: dict, state: dict, device: torch.device | str) -> None:
+def install_quantized(model: LlamaModel, quantized: dict, state: dict, device: torch.device | str,
+                      int8_activations: bool = False) -> None:
     """Swap in quantized modules (``quant.py``) for the weights that arrived quantized. They hold
     packed integer buffers that a later ``.to(dtype)`` leaves alone; biases come from ``state``."""
     for name, w in quantized.items():
@@ -349,7 +353,8 @@ def install_quantized(model: LlamaModel, quantized: dict, state: dict, device: t
         elif isinstance(w, Int8Rows):
             setattr(parent, leaf, Int8Head(Int8Embedding(w)))
         else:
-            setattr(parent, leaf, int4_linear(w, state.get(name.removesuffix("weight") + "bias"), device))
+            bias = state.get(name.removesuffix("weight") + "bias")
+            setattr(parent, leaf, int4_linear(w, bias, device, int8_activations))
 
 
 def fuse_weights(cfg: ModelConfig, w: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -22,6 +22,11 @@ What each form computes (the same math as the dequantized weights, up to stated 
   The same int8 rows serve the embedding lookup and the output projection: one copy.
 - The activation dtype is bfloat16 (both 4-bit kernels' inputs); everything that is not a
   quantized matmul (norms, attention, K/V) runs as in the dequantized model.
+- ``quant_activations: int8`` (or ``auto`` where the CPU lacks AVX512-BF16: ``int8_activations``)
+  has ``Q4Linear`` quantize each row of its input per group of 32, as llama.cpp's Q8_0 does
+  (``d = max|x| / 127``), for integer dot products (``q4_q8_linear``): the dequantized weight
+  times the dequantized row, about 1.3-2.5x the float32 path's speed on Zen 3, at the accuracy
+  cost of rounding each activation to 1/127 of its group's largest (measured in performance.md).
 - Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on the bfloat16 dot path
   only: ``unpacks``): ``Q4Linear`` unpacks its weight to bfloat16 for that call (transient,
   never kept) and runs oneDNN's bfloat16 matmul.
@@ -36,8 +41,9 @@ What each form computes (the same math as the dequantized weights, up to stated 
 
 Invariants: a ``QuantWeight`` is the only copy of its weight once the model is built (no float
 copy is kept); ``Q4Linear(x)`` and ``Int4Linear(x)`` equal ``F.linear(x, dequantize())`` up to
-bfloat16 rounding (tests compare them); below the unpacked path, a row of ``Q4Linear(x)`` does
-not depend on the other rows of ``x`` (bitwise: each row's sums run in one fixed order); 4-bit
+bfloat16 rounding (tests compare them), or with int8 activations ``F.linear(q8(x), dequantize())``;
+below the unpacked path, a row of ``Q4Linear(x)`` does not depend on the other rows of ``x``
+(bitwise: each row is quantized alone and its sums run in one fixed order); 4-bit
 forms want ``K`` a multiple of 32 and ``N`` a multiple of 16 (checked when a tensor is read, so
 an odd shape stays dequantized instead of failing).
 """
@@ -252,28 +258,46 @@ def q4_unpack(packed: Tensor, dtype: torch.dtype = ACT_DTYPE) -> Tensor:
     return w.reshape(nb * 16, groups * 32).to(dtype)
 
 
-class Q4Linear(nn.Module):
-    """``F.linear`` with a 4-bit weight in tinyllm's layout (``q4_pack``, packed once at load);
-    from ``DEQUANT_ROWS`` rows on, over the weight unpacked to bfloat16 for the call."""
+def int8_activations(setting: str, device: torch.device | str) -> bool:
+    """Whether the 4-bit matmuls quantize their input to int8 (``quant_activations``): 'int8'
+    always, 'bfloat16' (the default) never, 'auto' where tinyllm's 4-bit kernel would otherwise
+    compute in float32 FMAs (AVX2, AVX-512 without BF16): integer dot products are faster there,
+    while with AVX512-BF16 the bfloat16 dot products are both fast and exact. Raises
+    ValueError for 'int8' where tinyllm's kernel does not run (torch's int4 matmul takes bfloat16)."""
+    usable = q4_usable(device)
+    if setting == "int8" and not usable:
+        raise ValueError("quant_activations int8 needs tinyllm's CPU kernels, which are not built here")
+    return setting == "int8" or (setting == "auto" and usable and not _bf16_dot())
 
-    def __init__(self, w: QuantWeight, bias: Tensor | None):
+
+class Q4Linear(nn.Module):
+    """``F.linear`` with a 4-bit weight in tinyllm's layout (``q4_pack``, packed once at load).
+    With ``int8``, x is quantized per group of 32 (``q4_q8_linear``) for every step; else x stays
+    bfloat16, and from ``DEQUANT_ROWS`` rows on the weight is unpacked to bfloat16 for the call."""
+
+    def __init__(self, w: QuantWeight, bias: Tensor | None, int8: bool = False):
         super().__init__()
         self.out_features, self.in_features = w.shape
         self.register_buffer("packed", torch.ops.tinyllm.q4_pack(w.codes, w.scale, w.min))
         self.bias = None if bias is None else bias.to(ACT_DTYPE)
+        self.int8 = int8
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.int8:
+            return torch.ops.tinyllm.q4_q8_linear(x, self.packed, self.bias)
         if unpacks(x.shape[0]):
             return torch.nn.functional.linear(x, q4_unpack(self.packed), self.bias)
         return torch.ops.tinyllm.q4_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit groups of {GROUP}"
+        acts = ", int8 activations" if self.int8 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit groups of {GROUP}{acts}"
 
 
-def int4_linear(w: QuantWeight, bias: Tensor | None, device: torch.device | str) -> nn.Module:
-    """The 4-bit module for this machine: tinyllm's kernel where it runs fast, else torch's."""
-    return Q4Linear(w, bias) if q4_usable(device) else Int4Linear(w, bias)
+def int4_linear(w: QuantWeight, bias: Tensor | None, device: torch.device | str, int8: bool = False) -> nn.Module:
+    """The 4-bit module for this machine: tinyllm's kernel where it runs fast, else torch's
+    (``int8`` activations need tinyllm's: ``int8_activations`` says so before anything loads)."""
+    return Q4Linear(w, bias, int8) if q4_usable(device) else Int4Linear(w, bias)
 
 
 class Int8Embedding(nn.Module):
