@@ -164,6 +164,24 @@ def test_peak_measures_something(tmp_path, monkeypatch):
     assert p["threads"] == 1 and p["cpu"] and not p["cached"]
 
 
+def test_the_peak_of_a_4bit_run_includes_its_kernel_in_the_run_s_activation_mode(tmp_path, monkeypatch):
+    """With int8 activations the 4-bit kernel outruns the float matmuls; a peak without it would
+    let such a run read over 100%. The mode is part of the cache key."""
+    monkeypatch.setenv("TINYLLM_PEAK_CACHE", str(tmp_path / "peak.json"))
+    from tinyllm_cli.model.quant import q4_usable
+    assert rl.q4_path("none", True, (64, 160)) == ""
+    if not q4_usable(torch.device("cpu")):
+        assert rl.q4_path("gguf", True, (64, 160)) == ""
+        pytest.skip("tinyllm's 4-bit kernel does not run here")
+    assert rl.q4_path("gguf", True, (64, 160)) == "q4-int8" and rl.q4_path("gguf", False, (64, 160)) == "q4"
+    assert rl.q4_path("gguf", True, (60, 160)) == ""  # hidden not a multiple of 32: no 4-bit form
+    for mode in ("q4", "q4-int8"):
+        p = rl.measure_peak(torch.bfloat16, (64, 160), threads=1, seconds=0.05, q4=mode)
+        assert not p["cached"] and set(p["gflops"][mode]) == {"1", "32", "256"} and p["gflops"][mode]["256"] > 0
+        assert p["gemm_gflops"] == max(rates["256"] for rates in p["gflops"].values())
+    assert "q4" not in rl.measure_peak(torch.bfloat16, (64, 160), threads=1, seconds=0.05)["gflops"]
+
+
 def test_bench_shows_where_the_limit_is(capsys, llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TINYLLM_PEAK_CACHE", str(tmp_path / "peak.json"))
     monkeypatch.setattr(rl, "_matmul_rates", lambda *a: {"torch": {"1": 1.0, "32": 5.0, "256": 9.0}})

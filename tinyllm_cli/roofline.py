@@ -28,10 +28,12 @@ Invariants:
   prefilled first, in ceil(prompt tokens / max_prefill_tokens) forwards (one chunk per prompt),
   then decoded together in output_len - 1 forwards: what a continuous batcher does when the
   whole workload fits at once. tinyllm's own runs use the exact counts its steps recorded.
-- The peak is a microbenchmark in this process: the best matmul rate of ``F.linear`` and of
-  oneDNN's pre-packed linear (where usable) on the model's hidden -> FFN shape at 1, 32 and 256
-  rows (the peak is the 256-row figure), and the read bandwidth of a sum over 512 MiB (best of
-  several). It is cached per CPU, dtype, thread count, torch version and shape in
+- The peak is a microbenchmark in this process: the best matmul rate of ``F.linear``, of the
+  resolved packed linear (oneDNN or tinyllm's panels, where usable) and, for a model with 4-bit
+  weights on tinyllm's kernel, of that kernel in the model's activation mode (``q4`` or
+  ``q4-int8``: with int8 activations it outruns the float matmuls, so a run could otherwise read
+  over 100% of "the peak"), on the model's hidden -> FFN shape at 1, 32 and 256 rows (the peak is
+  the 256-row figure), and the read bandwidth of a sum over 512 MiB (best of several). It is cached per CPU, dtype, thread count, torch version and shape in
   ``peak_cache_path()``, so only the first bench on a machine pays for it.
 """
 
@@ -205,11 +207,12 @@ def peak_cache_path() -> Path:
     return Path(base) / "tinyllm" / "peak.json"
 
 
-def peak_key(dtype: torch.dtype, threads: int, shape: tuple[int, int], gemm: str) -> str:
-    """Names everything the peak depends on, the packed matmul path measured (``gemm``) included:
-    a peak cached before a new path existed is not this path's peak."""
+def peak_key(dtype: torch.dtype, threads: int, shape: tuple[int, int], gemm: str, q4: str = "") -> str:
+    """Names everything the peak depends on, the packed matmul path measured (``gemm``) and the
+    4-bit kernel's mode (``q4``) included: a peak cached before a new path existed is not this
+    path's peak."""
     return f"{cpu_name()} | {str(dtype).removeprefix('torch.')} | {threads} threads | torch {torch.__version__} " \
-           f"| {shape[0]}x{shape[1]} | gemm {gemm}"
+           f"| {shape[0]}x{shape[1]} | gemm {gemm}" + (f" | {q4}" if q4 else "")
 
 
 def _read_cache(path: Path) -> dict:
@@ -232,21 +235,22 @@ def _write_cache(path: Path, key: str, peak: dict) -> None:
 
 
 def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threads: int | None = None,
-                 seconds: float = 1.5, refresh: bool = False) -> dict:
+                 seconds: float = 1.5, refresh: bool = False, q4: str = "") -> dict:
     """This CPU's measured peak at ``dtype`` with ``threads`` torch threads (this process's
     setting when None) on a ``shape`` = (hidden, FFN) matmul: from the cache unless ``refresh``;
-    measuring takes about ``seconds``. Returns gemm_gflops (the best path at 256 rows), gemm
+    measuring takes about ``seconds``. ``q4`` ('q4' or 'q4-int8') adds tinyllm's 4-bit kernel in
+    that activation mode (``q4_path``). Returns gemm_gflops (the best path at 256 rows), gemm
     (that path), gemm_rows, gflops (path -> rows -> GFLOP/s), bandwidth_gbps and where it came from."""
     before = torch.get_num_threads()
     threads = threads or before
     from .model.gemm import resolve_gemm
     packed = resolve_gemm("auto", dtype, torch.device("cpu"))  # 'panel', 'onednn', 'onednn-f32' or 'torch'
-    key, path = peak_key(dtype, threads, shape, packed), peak_cache_path()
+    key, path = peak_key(dtype, threads, shape, packed, q4), peak_cache_path()
     if not refresh and key in (cached := _read_cache(path)):
         return cached[key] | {"cached": True}
     torch.set_num_threads(threads)
     try:
-        gflops = _matmul_rates(dtype, shape, packed, seconds * 0.75)
+        gflops = _matmul_rates(dtype, shape, packed, seconds * 0.75, q4)
         bandwidth = _read_bandwidth(seconds * 0.25)
     finally:
         torch.set_num_threads(before)
@@ -274,15 +278,31 @@ def _best_seconds(fn, budget: float) -> float:
             return best
 
 
-def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], packed: str, budget: float) -> dict[str, dict[str, float]]:
-    """GFLOP/s of x[rows, hidden] @ W[FFN, hidden]^T per row count, for F.linear and the resolved
-    ``packed`` path."""
+def q4_path(quant: str, int8_activations: bool, shape: tuple[int, int]) -> str:
+    """The 4-bit kernel path a run's peak should include: 'q4' or 'q4-int8' for ``quant: gguf``
+    on tinyllm's kernel (where the shape fits its blocks), else ''."""
+    from .model.quant import GROUP, q4_usable
+    if quant == "none" or not q4_usable(torch.device("cpu")) or shape[0] % GROUP or shape[1] % 16:
+        return ""
+    return "q4-int8" if int8_activations else "q4"
+
+
+def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], packed: str, budget: float,
+                  q4: str = "") -> dict[str, dict[str, float]]:
+    """GFLOP/s of x[rows, hidden] @ W[FFN, hidden]^T per row count, for F.linear, the resolved
+    ``packed`` path and the 4-bit kernel in mode ``q4`` (random 4-bit codes, bfloat16 rows)."""
     from .model.gemm import linear_for
     k, n = shape
     w = torch.randn(n, k).to(dtype)
     paths = {"torch": partial(F.linear, weight=w)}
     if packed != "torch":
         paths[packed] = linear_for(packed, w, None)
+    if q4:
+        from .model.quant import Q4Linear, QuantWeight
+        scale = torch.rand(n, k // 32) / 100
+        q = QuantWeight(torch.randint(0, 16, (n, k), dtype=torch.uint8), scale, -8 * scale)
+        lin = Q4Linear(q, None, int8=q4 == "q4-int8")
+        paths[q4] = lambda x: lin(x.to(torch.bfloat16))
     slice_s = budget / (len(paths) * len(PEAK_ROWS))
     out: dict[str, dict[str, float]] = {}
     with torch.inference_mode():

@@ -33,7 +33,7 @@ from ..errors import TinyLLMError, UsageError
 from ..io import check_prompt_file
 from ..llm import LLM
 from ..report import bench_table, stderr_console
-from ..roofline import measure_peak, model_weight_bytes, rates, work_of_run
+from ..roofline import measure_peak, model_weight_bytes, q4_path, rates, work_of_run
 from ..runtime import kv_budget
 from ..workload import check_workload, prompts_from_file, requests_for, shared_prefix_prompts
 from .common import int_list, open_llm
@@ -261,7 +261,8 @@ def reference_points(spec: BenchSpec, cfg: Config, llm: LLM, budget: int, worklo
     peak = None
     if spec.roofline:
         shape = (rt.model_cfg.hidden_size, rt.model_cfg.intermediate_size)
-        peak = measure_peak(rt.dtype, shape, refresh=spec.remeasure_peak)
+        peak = measure_peak(rt.dtype, shape, refresh=spec.remeasure_peak,
+                            q4=q4_path(rt.quant, rt.int8_activations, shape))
     add_work(rows, rt, peak)
     if peak is not None:
         refs["roofline"] = peak | {"roofline_tokens_per_s": tokens_at_peak(rows[0], peak)}
