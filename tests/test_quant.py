@@ -375,6 +375,11 @@ def test_quant_activations_resolve_per_cpu_and_bad_settings_are_one_sentence(q4_
                              "--stats-json", stats)
         assert code == 0 and "int8 activations" in " ".join(err.split()), err  # the table title (wrapped)
         assert json.loads(stats.read_text())["int8_activations"] is True
+    with pytest.MonkeyPatch.context() as mp:  # no 4-bit kernel (not built, TINYLLM_KERNELS=0, no AVX2)
+        mp.setattr(quant, "q4_usable", lambda device: False)
+        assert not quant.int8_activations("auto", cpu)
+        with pytest.raises(ValueError, match="needs tinyllm's 4-bit kernel"):
+            quant.int8_activations("int8", cpu)
     code, _, err = cli(capsys, "generate", *model, "--quant-activations", "int8")
     assert code == 2 and "is int8, which applies to quant: gguf only" in err and "Traceback" not in err
     code, _, err = cli(capsys, "generate", *model, "--quant", "gguf", "--quant-activations", "int4")

@@ -266,7 +266,8 @@ def int8_activations(setting: str, device: torch.device | str) -> bool:
     ValueError for 'int8' where tinyllm's kernel does not run (torch's int4 matmul takes bfloat16)."""
     usable = q4_usable(device)
     if setting == "int8" and not usable:
-        raise ValueError("quant_activations int8 needs tinyllm's CPU kernels, which are not built here")
+        raise ValueError("quant_activations int8 needs tinyllm's 4-bit kernel, which this process does not have "
+                         "(kernels not built, TINYLLM_KERNELS=0, or a CPU without AVX2); use bfloat16 or auto")
     return setting == "int8" or (setting == "auto" and usable and not _bf16_dot())
 
 
