@@ -33,7 +33,8 @@ Invariants:
   weights on tinyllm's kernel, of that kernel in the model's activation mode (``q4`` or
   ``q4-int8``: with int8 activations it outruns the float matmuls, so a run could otherwise read
   over 100% of "the peak"), on the model's hidden -> FFN shape at 1, 32 and 256 rows (the peak is
-  the 256-row figure), and the read bandwidth of a sum over 512 MiB (best of several). It is cached per CPU, dtype, thread count, torch version and shape in
+  the 256-row figure), and the read bandwidth of a sum over 512 MiB (best of several). It is
+  cached per CPU, dtype, thread count, torch version, shape and paths (``peak_key``) in
   ``peak_cache_path()``, so only the first bench on a machine pays for it.
 """
 

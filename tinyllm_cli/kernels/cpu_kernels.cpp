@@ -1284,12 +1284,14 @@ void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w,
 
 constexpr int kQ8Order[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // position t of a code vector's 8 inputs
 
-// Rows [m, k] float32 -> codes [m, k] (group-wise in kQ8Order), d [m, k/32], dsum = d * sum(codes).
-void q8_quantize(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* dsum) {
+// Rows [m, k] bfloat16 -> codes [m, k] (group-wise in kQ8Order), d [m, k/32], dsum = d * sum(codes).
+// Straight from the bfloat16 bits (widening is exact): no float32 copy of x first.
+void q8_quantize(const uint16_t* x, int64_t m, int64_t k, int8_t* q, float* d, float* dsum) {
   const int64_t groups = k / 32;
   at::parallel_for(0, m * groups, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* xg = x + i * 32;  // rows are contiguous, so group i of the flat array
+      float xg[32];  // rows are contiguous, so group i of the flat array
+      for (int e = 0; e < 32; ++e) xg[e] = BF16::ld(x[i * 32 + e]);
       float amax = 0.0f;
       for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(xg[e]));
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -1389,8 +1391,8 @@ template <int64_t R>
 }
 #endif
 
-// y [m, n] bfloat16 = x [m, k] float32 @ w^T (+ bias) with x quantized per group (above).
-void q4_q8_matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, uint16_t* y,
+// y [m, n] bfloat16 = x [m, k] bfloat16 @ w^T (+ bias) with x quantized per group (above).
+void q4_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, uint16_t* y,
                   bool portable) {
   const int64_t groups = k / 32, blocks = n / 16;
   // Codes, d and dsum in the calling thread's scratch (float slots; the codes take k / 4 floats a row).
@@ -1509,10 +1511,9 @@ at::Tensor q4_linear_portable(const at::Tensor& x, const at::Tensor& packed, con
 at::Tensor q4_q8_linear_impl(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
                              bool portable) {
   const at::Tensor b = q4_check(x, packed, bias);
-  at::Tensor keep;
-  const float* xf = float_rows(x, keep);
+  const auto xc = x.contiguous();
   auto y = at::empty({x.size(0), packed.size(0) * 16}, x.options());
-  q4_q8_matmul(xf, x.size(0), x.size(1), packed.data_ptr<uint8_t>(), packed.size(0) * 16,
+  q4_q8_matmul(reinterpret_cast<const uint16_t*>(xc.data_ptr()), x.size(0), x.size(1), packed.data_ptr<uint8_t>(), packed.size(0) * 16,
                b.defined() ? b.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), portable);
   return y;
 }

@@ -68,15 +68,10 @@ class _Cursor:
         return v
 
     def string(self) -> str:
-        n = self.unpack("<Q")
-        s = bytes(self.buf[self.pos:self.pos + n])
-        if len(s) != n:
-            raise ValueError("the file ends inside a string")
-        self.pos += n
-        return s.decode("utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def strings(self, n: int) -> list[str]:
-        """``n`` strings in a row: ``string()`` unrolled, for the vocabulary's tens of thousands."""
+        """``n`` strings in a row (one loop for the vocabulary's tens of thousands)."""
         buf, pos, size, out = self.buf, self.pos, len(self.buf), []
         length = struct.Struct("<Q").unpack_from
         for _ in range(n):
