@@ -221,3 +221,14 @@ def test_bench_references_and_profile(capsys, llama_dir, tmp_path):
     assert sum(c["share"] for c in cats.values()) == pytest.approx(1.0, abs=2e-3)
     assert cats["weight matmuls"]["s"] > 0 and cats["attention kernels"]["s"] > 0
     assert "where the time goes" in err and "transformers generate" in err
+
+
+def test_help_shows_bracketed_text_as_written(capsys, monkeypatch):
+    """Typer renders help as rich markup, where ``[plot]`` is a tag and vanishes: the install
+    command a missing extra asks for must read as the user would type it."""
+    monkeypatch.setenv("COLUMNS", "400")  # one option per line, nothing wrapped
+    code, out, _ = cli(capsys, "bench", "--help")
+    assert code == 0
+    text = " ".join(out.split())
+    for written in ("tinyllm[plot]", "tinyllm[structured]", "ORG/NAME[@REVISION]"):
+        assert written in text, written

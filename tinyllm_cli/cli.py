@@ -51,7 +51,7 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_print_ver
 
 SHARED: dict[str, tuple[object, object]] = {
     "config": (Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file (defaults are built in).")], None),
-    "model": (Annotated[Optional[str], typer.Option(help="'default', a .gguf file, a Hugging Face model directory or a Hub id ORG/NAME[@REVISION].")], None),
+    "model": (Annotated[Optional[str], typer.Option(help="'default', a .gguf file, a Hugging Face model directory or a Hub id ORG/NAME\\[@REVISION].")], None),
     "device": (Annotated[Optional[str], typer.Option(help="auto, cpu, cuda or cuda:N.")], None),
     "dtype": (Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")], None),
     "gemm": (Annotated[Optional[str], typer.Option(help="Weight matmuls: auto (CPU: panel on AVX2-only CPUs, else oneDNN), panel (tinyllm's kernel), onednn or torch.")], None),
@@ -77,7 +77,7 @@ SHARED: dict[str, tuple[object, object]] = {
     "n": (Annotated[Optional[int], typer.Option("--n", help="Completions per prompt (the prompt is prefilled once).")], None),
     "logprobs": (Annotated[Optional[int], typer.Option("--logprobs", help="Report each output token's logprob and K alternatives (0-20).")], None),
     "prompt_logprobs": (Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Report each prompt token's logprob and K alternatives (0-20).")], None),
-    "json_schema": (Annotated[Optional[Path], typer.Option("--json-schema", help="Structured output: every output is JSON valid against the schema in FILE (needs tinyllm[structured]).")], None),
+    "json_schema": (Annotated[Optional[Path], typer.Option("--json-schema", help="Structured output: every output is JSON valid against the schema in FILE (needs tinyllm\\[structured]).")], None),
     "json_object": (Annotated[Optional[bool], typer.Option("--json-object/--no-json-object", help="Structured output: every output is a JSON object.")], None),
     "regex": (Annotated[Optional[str], typer.Option("--regex", help="Structured output: every output matches this regular expression.")], None),
     "choice": (Annotated[Optional[list[str]], typer.Option("--choice", help="Structured output: every output is one of these strings (repeat the flag).")], None),
@@ -97,7 +97,7 @@ SHARED: dict[str, tuple[object, object]] = {
     "quiet": (Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")], False),
     "debug": (Annotated[bool, typer.Option("--debug", help="Show tracebacks.")], False),
     "stats_json": (Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")], None),
-    "plot": (Annotated[Optional[Path], typer.Option("--plot", help="Draw the results into FILE.png or FILE.svg (needs tinyllm[plot]).")], None),
+    "plot": (Annotated[Optional[Path], typer.Option("--plot", help="Draw the results into FILE.png or FILE.svg (needs tinyllm\\[plot]).")], None),
 }
 GROUPS = {
     "MODEL": ("config", "model", "device", "dtype", "gemm", "quant", "quant_activations", "attention"),
