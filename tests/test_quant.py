@@ -115,7 +115,8 @@ def test_a_q4_linear_row_does_not_depend_on_the_rows_beside_it(qtype, int8):
     count the vector path tiles differently (1-4 rows in registers, more through a decoded
     panel on the float32 path; 4/2/1-row tiles on the bfloat16 dot path). Speculative decoding's
     verify step of k + 1 rows then reproduces plain decoding's one-row steps exactly. With int8
-    activations each row is quantized on its own, so the same holds (3-row tiles, 48-row chunks)."""
+    activations each row is quantized on its own, so the same holds (3-row tiles on AVX2, 8 on
+    AVX512-VNNI, 48-row chunks)."""
     rows, cols = 48, 512 if qtype == QT.Q4_K else 96
     q = from_gguf(_raw(qtype, rows, cols, seed=7), qtype.name, rows, cols)
     lin = Q4Linear(q, torch.randn(rows).bfloat16(), int8=int8)
@@ -125,13 +126,23 @@ def test_a_q4_linear_row_does_not_depend_on_the_rows_beside_it(qtype, int8):
         assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
 
 
-def _q8(x: torch.Tensor) -> torch.Tensor:
-    """x [m, k] after llama.cpp's Q8_0 round trip, written independently of the kernel: per group
-    of 32, d = max|x| / 127 and round-half-even(x * 127 / max|x|) * d."""
+def _q8_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 of x [m, k], written independently of the kernel: per group of 32,
+    d = max|x| / 127 and codes round-half-even(x * (127 / max|x|)), each float32 operation
+    correctly rounded (done in float64, then rounded: exact for one division or product; torch's
+    float32 division is not always, and a product on .5 then rounds the other way). Returns the
+    codes [m, k / 32, 32] and d [m, k / 32, 1] in float64."""
     g = x.float().reshape(x.shape[0], -1, 32)
     amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round((g * inv).clamp(-127, 127)) * (amax / 127.0)).reshape(x.shape)
+    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
+    codes = torch.round((g.double() * inv.double()).float().clamp(-127, 127))
+    return codes.double(), (amax.double() / 127.0).float().double()
+
+
+def _q8(x: torch.Tensor) -> torch.Tensor:
+    """x [m, k] after the Q8_0 round trip (``_q8_codes``), in float64."""
+    codes, d = _q8_codes(x)
+    return (codes * d).reshape(x.shape)
 
 
 @needs_kernels
@@ -141,14 +152,14 @@ def test_q4_linear_with_int8_activations_is_the_q8_round_trip_times_the_weight(q
     """``q4_q8_linear``: its vector path equals its plain loops bit for bit (integer sums are
     exact and the float32 steps are the same), and both equal F.linear of the Q8_0 round trip of
     x with the dequantized weight, up to float32 sums and bfloat16 output rounding. Row counts
-    leave every tile remainder (3-row tiles) and cross the 48-row chunk."""
+    leave every tile remainder (3-row tiles on AVX2, 8 on AVX512-VNNI) and cross the 48-row chunk."""
     rows, cols = 80 if qtype != QT.Q4_K else 48, 512 if qtype == QT.Q4_K else 96
     q = from_gguf(_raw(qtype, rows, cols, seed=5), qtype.name, rows, cols)
     b = torch.randn(rows).bfloat16() if bias else None
     lin = Q4Linear(q, b, int8=True)
     w = q.dequantize().double()
     gen = torch.Generator().manual_seed(11)
-    for m in (1, 2, 3, 4, 5, 8, 17, 40, 100):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 17, 40, 100):
         x = torch.randn(m, cols, generator=gen).bfloat16()
         x[0, :7] *= 30  # an outlier channel, as real activations have: its group's step grows
         got = lin(x)
@@ -205,12 +216,48 @@ def test_int8_embedding_lookup_and_head_share_one_matrix():
     assert ((emb.linear(x).float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@needs_kernels
+def test_int8_head_with_int8_activations_is_exact_integer_dot_products():
+    """With int8 activations the int8 output matrix (the tied embedding) is held in
+    ``int8_pack``'s order and multiplies the Q8_0 codes of its input in integers (AVX512-VNNI):
+    the lookup reads the same rows as before, one copy; the logits are the int8 weight against
+    the Q8_0 round trip of x, summed group by group in float32 (so within float32 rounding of an
+    exact float64 sum); the vector path equals the plain loops bit for bit, and a row's logits do
+    not depend on the rows beside it. Shapes the kernel cannot tile keep the bfloat16 path."""
+    rows, cols = 96, 128
+    w = from_gguf(_raw(QT.Q8_0, rows, cols, seed=2), "Q8_0", rows, cols)
+    plain = Int8Embedding(w)
+    assert not plain.int8 and not Int8Embedding(Int8Rows(w.q[:40], w.scale[:40]), int8=True).int8
+    if not quant.int8_head_packs((rows, cols)):
+        pytest.skip("the int8 output matmul with int8 activations runs on AVX512-VNNI")
+    emb = Int8Embedding(w, int8=True)
+    assert emb.int8 and emb.q.numel() == rows * cols and emb.q.shape == (rows // 16, cols // 4, 16, 4)
+    ids = torch.tensor([3, 0, 95, 17, 3])
+    assert torch.equal(emb(ids), plain(ids))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(57, cols, generator=gen).bfloat16()  # 8-row tiles, a remainder, past the 48-row chunk
+    x[2, :5] *= 40  # an outlier channel
+    got = emb.linear(x)
+    assert got.dtype == torch.float32 and got.shape == (57, rows)
+    assert torch.equal(got, torch.ops.tinyllm.int8_q8_linear_portable(x, emb.q, emb.scale))
+    codes, d = _q8_codes(x)
+    isum = torch.einsum("vge,mge->mvg", w.q.double().reshape(rows, -1, 32), codes)
+    ref = (isum * d.transpose(1, 2)).sum(-1) * emb.scale.double()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    alone = torch.cat([emb.linear(x[i:i + 1]) for i in range(len(x))])
+    assert torch.equal(got, alone)
+    # The cost of int8 activations here, against bfloat16 ones: real and small.
+    cost = ((got - plain.linear(x).float()).norm() / got.norm()).item()
+    assert 1e-4 < cost < 0.03, cost
+
+
 # ---- a whole model from a llama.cpp-style Q4_1 file ----------------------------------------------
 
 @pytest.fixture(scope="module")
 def q4_gguf(llama_dir, tmp_path_factory):
     """The tiny Llama as llama.cpp's converter + quantizer would write it: Q4_1 matrices (Q/K rows
-    permuted), a Q8_0 embedding, F32 norms."""
+    permuted), a Q8_0 embedding and output matrix (the int8 head, as the default model's tied
+    one), F32 norms."""
     import transformers
     cfg = _hf_config(llama_dir)
     state = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir)).state_dict()
@@ -219,7 +266,7 @@ def q4_gguf(llama_dir, tmp_path_factory):
         if w.ndim == 1:
             to_write[gname] = (w, None)
         else:
-            kind = QT.Q8_0 if gname == "token_embd.weight" else QT.Q4_1
+            kind = QT.Q8_0 if gname in ("token_embd.weight", "output.weight") else QT.Q4_1
             to_write[gname] = (quantize(w, kind), kind)
     path = tmp_path_factory.mktemp("q4") / "tiny-q4_1.gguf"
     _write_gguf(path, cfg, to_write)
@@ -252,6 +299,8 @@ def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_
     mods = (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     assert all(isinstance(m, kind) and getattr(m, "int8", False) == model.int8_activations for m in mods)
     assert isinstance(model.embed, Int8Embedding)
+    head = model.lm_head._embed[0]  # the Q8_0 output matrix: int8 activations too where it packs
+    assert head.int8 == (model.int8_activations and quant.int8_head_packs(head.scale.shape + (LLAMA_SHAPE["hidden_size"],)))
     biggest_float = max(p.numel() for p in model.parameters())
     assert biggest_float <= LLAMA_SHAPE["hidden_size"]  # only norm vectors stay as float parameters
 
@@ -269,17 +318,19 @@ def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_
 
 
 @needs_kernels
-def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch):
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16-acts", "int8-acts"])
+def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch, int8):
     """A step of ``DEQUANT_ROWS`` rows or more: on the bfloat16 dot path (AVX512-BF16) it leaves
-    the one-call layer kernel for the layer's modules, whose Q4Linear unpacks to bfloat16; on
-    the float32 path (AVX2) the 4-bit kernel runs it (oneDNN has no fast bfloat16 matmul there).
-    Either way the logits agree with the dequantized model, and the path taken is the one
-    ``q4_isa`` says."""
+    the one-call layer kernel for the layer's modules, whose Q4Linear unpacks to bfloat16, in
+    either activation mode; on the float32 path (AVX2) the 4-bit kernel runs it (oneDNN has no
+    fast bfloat16 matmul there). Either way the logits agree with the dequantized model, and the
+    path taken is the one ``q4_isa`` says."""
     if not quant.q4_usable(torch.device("cpu")):
         pytest.skip("tinyllm's 4-bit kernel runs where its build has an AVX2 or AVX-512 path")
     unpacking = torch.ops.tinyllm.q4_isa() == "avx512-bf16"
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
-    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu")
+    model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", int8_activations=int8)
+    assert model.int8_activations == int8
     deq = load_checkpoint(str(q4_gguf), progress=False)
     ref = _logits(build_model(deq.config, deq.weights, torch.float32, "cpu"), PROMPTS)
     calls = []
@@ -296,7 +347,8 @@ def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch):
     # Through the engine (paged attention, where layers otherwise run as one kernel call).
     from tinyllm_cli import LLM
     calls.clear()
-    with LLM(str(q4_gguf), quant="gguf", dtype="bfloat16", num_blocks=64, progress=False) as llm:
+    with LLM(str(q4_gguf), quant="gguf", dtype="bfloat16", num_blocks=64, progress=False,
+             quant_activations="int8" if int8 else "bfloat16") as llm:
         out = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=3, ignore_eos=True), chat=False, use_tqdm=False)
     assert bool(calls) == unpacking and len(out[0].completions[0].token_ids) == 3
 
@@ -356,14 +408,17 @@ def test_speculative_greedy_on_the_4bit_kernel_equals_plain_decoding(q4_gguf, in
 
 
 def test_quant_activations_resolve_per_cpu_and_bad_settings_are_one_sentence(q4_gguf, tmp_path, capsys):
-    """'auto' means int8 exactly where the 4-bit kernel would otherwise run on float32 FMAs; the
-    run's title and stats say which ran; int8 without quant: gguf, or an unknown value, is a
-    usage error before anything loads."""
+    """'auto' means int8 exactly where the 4-bit kernel runs and has an integer vector path
+    (AVX512-VNNI where the CPU has it, else AVX2); the run's title and stats say which ran; int8
+    without quant: gguf, or an unknown value, is a usage error before anything loads."""
     import json
     from test_cli import cli
     cpu = torch.device("cpu")
-    float_path = quant.q4_usable(cpu) and torch.ops.tinyllm.q4_isa() in ("avx2", "avx512")
-    assert quant.int8_activations("auto", cpu) == float_path
+    flags = set(" ".join(l for l in open("/proc/cpuinfo") if l.startswith("flags")).split())
+    isa = torch.ops.tinyllm.q4_q8_isa() if quant.q4_usable(cpu) else ""
+    if isa:  # the kernels are built with -march=native: the path is the best this CPU has
+        assert isa == ("avx512-vnni" if {"avx512_vnni", "avx512bw"} <= flags else "avx2"), (isa, flags)
+    assert quant.int8_activations("auto", cpu) == bool(isa)
     assert not quant.int8_activations("bfloat16", cpu)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt_token_ids": PROMPTS[0]}) + "\n")

@@ -21,7 +21,8 @@
 // paged_attention) in one call from Python.
 //
 // And the matmuls of quant: gguf: q4_linear (4-bit weights in q4_pack's layout) and int8_linear
-// (int8 rows with a per-row scale, e.g. the output projection).
+// (int8 rows with a per-row scale, e.g. the output projection), and with int8 activations
+// (quantized per group of 32, integer dot products) q4_q8_linear and int8_q8_linear.
 //
 // Numerics, for every op: loads widen to float32, all arithmetic is float32, and each result is
 // rounded once to the tensor's dtype (bfloat16: round to nearest even, as PyTorch rounds). The
@@ -1284,9 +1285,10 @@ void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w,
 
 constexpr int kQ8Order[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // position t of a code vector's 8 inputs
 
-// Rows [m, k] bfloat16 -> codes [m, k] (group-wise in kQ8Order), d [m, k/32], dsum = d * sum(codes).
+// Rows [m, k] bfloat16 -> codes [m, k], d [m, k/32], sum [m, k/32] = the sum of each group's codes.
+// The codes of a group are stored in kQ8Order (q4_q8_linear) or in input order (int8_q8_linear).
 // Straight from the bfloat16 bits (widening is exact): no float32 copy of x first.
-void q8_quantize(const uint16_t* x, int64_t m, int64_t k, int8_t* q, float* d, float* dsum) {
+void q8_quantize(const uint16_t* x, int64_t m, int64_t k, bool q4_order, int8_t* q, float* d, int32_t* sums) {
   const int64_t groups = k / 32;
   at::parallel_for(0, m * groups, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -1297,12 +1299,13 @@ void q8_quantize(const uint16_t* x, int64_t m, int64_t k, int8_t* q, float* d, f
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int sum = 0;
       for (int e = 0; e < 32; ++e) {
-        const int v = static_cast<int>(std::nearbyint(std::min(127.0f, std::max(-127.0f, xg[8 * (e / 8) + kQ8Order[e % 8]] * inv))));
+        const int src = q4_order ? 8 * (e / 8) + kQ8Order[e % 8] : e;
+        const int v = static_cast<int>(std::nearbyint(std::min(127.0f, std::max(-127.0f, xg[src] * inv))));
         q[i * 32 + e] = static_cast<int8_t>(v);
         sum += v;
       }
       d[i] = amax / 127.0f;
-      dsum[i] = d[i] * static_cast<float>(sum);
+      sums[i] = sum;
     }
   });
 }
@@ -1391,22 +1394,100 @@ template <int64_t R>
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TINYLLM_Q4_VNNI 1
+// The same tile on AVX512-VNNI (Zen 4, Ice Lake and later Xeons): one vpdpbusd multiplies 64 code /
+// activation byte pairs and adds each four into an int32 lane, so one register holds a row's 16
+// outputs and a group takes 8 instructions a row instead of q4_q8_tile's 32. The codes are the
+// unsigned operand, x the signed one, as vpmaddubsw has them. The int32 sums are exact, so the
+// outputs are bitwise those of q4_q8_rows_portable. With 32 registers a tile takes up to kVnniRows
+// rows against one decode of the block's codes.
+constexpr int64_t kVnniRows = 8;
+template <int64_t R>
+[[gnu::noinline]] void q4_q8_tile_vnni(const int8_t* xq, const float* d, const float* dsum, int64_t k, const uint8_t* wb,
+                                       const float* bias, uint16_t* y, int64_t n) {
+  const int64_t groups = k / 32;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gp = wb + g * Q4_BLOCK;
+    for (int l = 0; l < Q4_BLOCK; l += 64) _mm_prefetch(reinterpret_cast<const char*>(gp + 2 * Q4_BLOCK + l), _MM_HINT_T0);
+    __m512i c[8];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(gp + i * 64);
+      c[2 * i] = _mm512_and_si512(v, nib);
+      c[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 256)));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 288)));
+    __m512i sum[R];
+    for (int64_t r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i)  // c[2j] meets x[8j..8j+3], c[2j+1] x[8j+4..8j+7]: the group's 32-bit word i
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, xq + r * k + g * 32 + 4 * i, 4);
+        sum[r] = _mm512_dpbusd_epi32(sum[r], c[i], _mm512_set1_epi32(word));
+      }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 dr = _mm512_set1_ps(d[r * groups + g]), sr = _mm512_set1_ps(dsum[r * groups + g]);
+      acc[r] = _mm512_fmadd_ps(mn, sr, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(s, dr), acc[r]));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, acc[r]);
+    for (int c = 0; c < 16; ++c) y[r * n + c] = q4_out(out[c], bias, c);
+  }
+}
+
+// Rows [r0, r1) of one block through the VNNI tile, kVnniRows at a time.
+void q4_q8_block_vnni(const int8_t* xq, const float* d, const float* dsum, int64_t r0, int64_t r1, int64_t k,
+                      const uint8_t* wb, const float* bias, uint16_t* y, int64_t n) {
+  const int64_t groups = k / 32;
+  for (int64_t r = r0; r < r1; r += kVnniRows) {
+    const int8_t* xr = xq + r * k;
+    const float *dr = d + r * groups, *sr = dsum + r * groups;
+    uint16_t* yr = y + r * n;
+    switch (std::min(kVnniRows, r1 - r)) {
+      case 8: q4_q8_tile_vnni<8>(xr, dr, sr, k, wb, bias, yr, n); break;
+      case 7: q4_q8_tile_vnni<7>(xr, dr, sr, k, wb, bias, yr, n); break;
+      case 6: q4_q8_tile_vnni<6>(xr, dr, sr, k, wb, bias, yr, n); break;
+      case 5: q4_q8_tile_vnni<5>(xr, dr, sr, k, wb, bias, yr, n); break;
+      case 4: q4_q8_tile_vnni<4>(xr, dr, sr, k, wb, bias, yr, n); break;
+      case 3: q4_q8_tile_vnni<3>(xr, dr, sr, k, wb, bias, yr, n); break;
+      case 2: q4_q8_tile_vnni<2>(xr, dr, sr, k, wb, bias, yr, n); break;
+      default: q4_q8_tile_vnni<1>(xr, dr, sr, k, wb, bias, yr, n); break;
+    }
+  }
+}
+#endif
+
 // y [m, n] bfloat16 = x [m, k] bfloat16 @ w^T (+ bias) with x quantized per group (above).
 void q4_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, uint16_t* y,
                   bool portable) {
   const int64_t groups = k / 32, blocks = n / 16;
-  // Codes, d and dsum in the calling thread's scratch (float slots; the codes take k / 4 floats a row).
-  float* buf = scratch(kQ8Rows, m * (2 * groups + k / 4));
+  // Codes, d, the codes' sums and dsum = d * sum in the calling thread's scratch (float slots;
+  // the codes take k / 4 floats a row).
+  float* buf = scratch(kQ8Rows, m * (3 * groups + k / 4));
   float *d = buf, *dsum = buf + m * groups;
-  auto* xq = reinterpret_cast<int8_t*>(buf + 2 * m * groups);
-  q8_quantize(x, m, k, xq, d, dsum);
+  auto* sums = reinterpret_cast<int32_t*>(buf + 2 * m * groups);
+  auto* xq = reinterpret_cast<int8_t*>(buf + 3 * m * groups);
+  q8_quantize(x, m, k, true, xq, d, sums);
+  for (int64_t i = 0; i < m * groups; ++i) dsum[i] = d[i] * static_cast<float>(sums[i]);
   // Rows in chunks: a thread's blocks are read once per chunk of rows, the chunk's codes stay in L2.
   constexpr int64_t kRowChunk = 48;
   const int64_t grain = m * k * n < (1 << 16) ? blocks : 1;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
       const int64_t r1 = std::min(m, r0 + kRowChunk);
-#if defined(TINYLLM_Q4_INT8)
+#if defined(TINYLLM_Q4_VNNI)
+      if (!portable) {
+        for (int64_t b = b0; b < b1; ++b)
+          q4_q8_block_vnni(xq, d, dsum, r0, r1, k, w + b * groups * Q4_BLOCK, bias ? bias + b * 16 : nullptr, y + b * 16, n);
+        continue;
+      }
+#elif defined(TINYLLM_Q4_INT8)
       if (!portable) {
         for (int64_t b = b0; b < b1; ++b) {
           const uint8_t* wb = w + b * groups * Q4_BLOCK;
@@ -1427,6 +1508,144 @@ void q4_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int
                           y + r0 * n, n);
     }
   });
+}
+
+// ---- the int8 output projection with int8 activations (quant_activations: int8) -------------
+//
+// The tied embedding / output matrix of quant: gguf is int8 with one scale per row (int8_linear).
+// With int8 activations its input is quantized as the 4-bit matmuls' is (q8_quantize: Q8_0 per
+// group of 32, codes in input order), and on AVX512-VNNI the products run as integer dot products:
+//   y[r][j] = scale[j] * sum_g d[r][g] * sum_{e in g} q[j][e] xq[r][e],
+// the inner sums exact in int32, the outer one in float32, group by group in order: the result is
+// the int8 weight against the Q8_0 round trip of the row, and a row's output does not depend on
+// the rows beside it (bitwise). The weight is held in int8_pack's order, [N/16, K/4, 16, 4]: for
+// each block of 16 rows and each 4 inputs, 64 bytes, row j's 4 inputs in 32-bit lane j, so one
+// vpdpbusd multiplies 16 rows x 4 inputs against one broadcast word of a row of x. vpdpbusd wants
+// its first operand unsigned: the weight is read as q + 128 (one XOR with 0x80 per vector, shared
+// by a tile's rows), and 128 * sum(xq over the group) comes off each group's integer sum.
+
+// Plain loops: the reference the vector tile matches bit for bit (and the path without VNNI).
+void int8_q8_rows_portable(const int8_t* xq, const float* d, int64_t m, int64_t k, const int8_t* w, const float* scale,
+                           int64_t b0, int64_t b1, float* y, int64_t n) {
+  const int64_t groups = k / 32;
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < 16; ++j) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          int32_t isum = 0;
+          for (int64_t e = g * 32; e < g * 32 + 32; ++e)
+            isum += w[((b * (k / 4) + e / 4) * 16 + j) * 4 + e % 4] * xq[r * k + e];
+          acc = std::fma(static_cast<float>(isum), d[r * groups + g], acc);
+        }
+        y[r * n + b * 16 + j] = acc * scale[b * 16 + j];
+      }
+}
+
+#if defined(TINYLLM_Q4_VNNI)
+// R rows x one block of 16 rows of the weight, over every group.
+template <int64_t R>
+[[gnu::noinline]] void int8_q8_tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t k, const int8_t* wb,
+                                    const float* scale, float* y, int64_t n) {
+  const int64_t groups = k / 32;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* gp = wb + g * 512;  // 8 words of 4 inputs x 16 rows
+    for (int l = 0; l < 512; l += 64) _mm_prefetch(reinterpret_cast<const char*>(gp + 1024 + l), _MM_HINT_T0);
+    __m512i sum[R];
+    for (int64_t r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(gp + 64 * i), flip);  // q + 128, unsigned
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, xq + r * k + g * 32 + 4 * i, 4);
+        sum[r] = _mm512_dpbusd_epi32(sum[r], wu, _mm512_set1_epi32(word));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i isum = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(128 * sums[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d[r * groups + g]), acc[r]);
+    }
+  }
+  const __m512 sc = _mm512_loadu_ps(scale);
+  for (int64_t r = 0; r < R; ++r) _mm512_storeu_ps(y + r * n, _mm512_mul_ps(acc[r], sc));
+}
+#endif
+
+// y [m, n] float32 = x [m, k] bfloat16 (quantized per group) @ (w * scale)^T, w as int8_pack made it.
+void int8_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const int8_t* w, const float* scale, int64_t n, float* y,
+                    bool portable) {
+  const int64_t groups = k / 32, blocks = n / 16;
+  float* buf = scratch(kQ8Rows, m * (2 * groups + k / 4));
+  float* d = buf;
+  auto* sums = reinterpret_cast<int32_t*>(buf + m * groups);
+  auto* xq = reinterpret_cast<int8_t*>(buf + 2 * m * groups);
+  q8_quantize(x, m, k, false, xq, d, sums);
+  constexpr int64_t kRowChunk = 48;  // a chunk's codes stay in L1/L2 while a thread's blocks pass
+  const int64_t threads = at::get_num_threads(), grain = std::max<int64_t>(1, (blocks + threads - 1) / threads);
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
+      const int64_t r1 = std::min(m, r0 + kRowChunk);
+#if defined(TINYLLM_Q4_VNNI)
+      if (!portable) {
+        for (int64_t b = b0; b < b1; ++b)
+          for (int64_t r = r0; r < r1; r += kVnniRows) {
+            const int8_t* xr = xq + r * k;
+            const float* dr = d + r * groups;
+            const int32_t* sr = sums + r * groups;
+            const int8_t* wb = w + b * 16 * k;
+            float* yr = y + r * n + b * 16;
+            switch (std::min(kVnniRows, r1 - r)) {
+              case 8: int8_q8_tile<8>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
+              case 7: int8_q8_tile<7>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
+              case 6: int8_q8_tile<6>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
+              case 5: int8_q8_tile<5>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
+              case 4: int8_q8_tile<4>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
+              case 3: int8_q8_tile<3>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
+              case 2: int8_q8_tile<2>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
+              default: int8_q8_tile<1>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
+            }
+          }
+        continue;
+      }
+#endif
+      int8_q8_rows_portable(xq + r0 * k, d + r0 * groups, r1 - r0, k, w, scale, b0, b1, y + r0 * n, n);
+    }
+  });
+}
+
+// q [N, K] int8 -> the same bytes in int8_q8_linear's order, [N/16, K/4, 16, 4].
+at::Tensor int8_pack(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(0) % 16 == 0 && q.size(1) % 32 == 0,
+              "int8_pack: q must be int8 [N, K], N a multiple of 16 and K of 32");
+  return q.view({q.size(0) / 16, 16, q.size(1) / 4, 4}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] bfloat16, quantized per group of 32 @ (w * scale)^T -> [M, N] float32 logits; w as
+// int8_pack made it, scale [N] float32. ``portable`` forces the plain loops (tests compare).
+at::Tensor int8_q8_linear_impl(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "int8_q8_linear: x must be bfloat16 [M, K]");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kChar && w.size(2) == 16 && w.size(3) == 4 && w.is_contiguous(),
+              "int8_q8_linear: w must be int8_pack's [N/16, K/4, 16, 4]");
+  TORCH_CHECK(w.size(1) * 4 == x.size(1), "int8_q8_linear: x has ", x.size(1), " inputs, the weight ", w.size(1) * 4);
+  const int64_t n = w.size(0) * 16;
+  TORCH_CHECK(scale.numel() == n, "int8_q8_linear: scale must have N elements");
+  const auto xc = x.contiguous();
+  const auto sc = scale.to(at::kFloat).contiguous();
+  auto y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  int8_q8_matmul(reinterpret_cast<const uint16_t*>(xc.data_ptr()), x.size(0), x.size(1), w.data_ptr<int8_t>(),
+                 sc.data_ptr<float>(), n, y.data_ptr<float>(), portable);
+  return y;
+}
+
+at::Tensor int8_q8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  return int8_q8_linear_impl(x, w, scale, false);
+}
+
+at::Tensor int8_q8_linear_portable(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  return int8_q8_linear_impl(x, w, scale, true);
 }
 
 // The 4-bit kernel's vector path on this build: "avx512-bf16" (bf16 dot products), "avx2" or
@@ -1526,12 +1745,14 @@ at::Tensor q4_q8_linear_portable(const at::Tensor& x, const at::Tensor& packed, 
   return q4_q8_linear_impl(x, packed, bias, true);
 }
 
-// Whether q4_q8_linear has its vector path (AVX2) on this build.
-bool q4_q8_fast() {
-#if defined(TINYLLM_Q4_INT8)
-  return true;
+// q4_q8_linear's vector path on this build: "avx512-vnni", "avx2" or "" (only the portable loops).
+std::string q4_q8_isa() {
+#if defined(TINYLLM_Q4_VNNI)
+  return "avx512-vnni";
+#elif defined(TINYLLM_Q4_INT8)
+  return "avx2";
 #else
-  return false;
+  return "";
 #endif
 }
 
@@ -1654,7 +1875,10 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def("q4_linear_portable(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("q4_q8_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("q4_q8_linear_portable(Tensor x, Tensor w, Tensor? bias) -> Tensor");
-  m.def("q4_q8_fast() -> bool", &q4_q8_fast);
+  m.def("q4_q8_isa() -> str", &q4_q8_isa);
+  m.def("int8_pack(Tensor q) -> Tensor");
+  m.def("int8_q8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
+  m.def("int8_q8_linear_portable(Tensor x, Tensor w, Tensor scale) -> Tensor");
   m.def("q4_isa() -> str", &q4_isa);
   m.def("panel_isa() -> str", &panel_isa);
   m.def("panel_pack(Tensor w) -> Tensor");
@@ -1677,6 +1901,9 @@ TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {
   m.impl("q4_linear_portable", &q4_linear_portable);
   m.impl("q4_q8_linear", &q4_q8_linear);
   m.impl("q4_q8_linear_portable", &q4_q8_linear_portable);
+  m.impl("int8_pack", &int8_pack);
+  m.impl("int8_q8_linear", &int8_q8_linear);
+  m.impl("int8_q8_linear_portable", &int8_q8_linear_portable);
   m.impl("panel_pack", &panel_pack);
   m.impl("panel_linear", &panel_linear);
 }

@@ -343,7 +343,7 @@ def install_quantized(model: LlamaModel, quantized: dict, state: dict, device: t
         parent = model.get_submodule(owner) if owner else model
         if leaf == "embed":
             if isinstance(w, Int8Rows):
-                model.embed = Int8Embedding(w)
+                model.embed = Int8Embedding(w, int8_activations)
                 if model.cfg.tie_word_embeddings:
                     model.lm_head = Int8Head(model.embed)
             else:  # int4 rows cannot be looked up cheaply: keep this one dequantized
@@ -351,7 +351,7 @@ def install_quantized(model: LlamaModel, quantized: dict, state: dict, device: t
                 if model.cfg.tie_word_embeddings:
                     model.lm_head.weight = model.embed.weight
         elif isinstance(w, Int8Rows):
-            setattr(parent, leaf, Int8Head(Int8Embedding(w)))
+            setattr(parent, leaf, Int8Head(Int8Embedding(w, int8_activations)))
         else:
             bias = state.get(name.removesuffix("weight") + "bias")
             setattr(parent, leaf, int4_linear(w, bias, device, int8_activations))

@@ -22,14 +22,19 @@ What each form computes (the same math as the dequantized weights, up to stated 
   The same int8 rows serve the embedding lookup and the output projection: one copy.
 - The activation dtype is bfloat16 (both 4-bit kernels' inputs); everything that is not a
   quantized matmul (norms, attention, K/V) runs as in the dequantized model.
-- ``quant_activations: int8`` (or ``auto`` where the CPU lacks AVX512-BF16: ``int8_activations``)
-  has ``Q4Linear`` quantize each row of its input per group of 32, as llama.cpp's Q8_0 does
-  (``d = max|x| / 127``), for integer dot products (``q4_q8_linear``): the dequantized weight
-  times the dequantized row, about 1.3-2.5x the float32 path's speed on Zen 3, at the accuracy
-  cost of rounding each activation to 1/127 of its group's largest (measured in performance.md).
-- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on the bfloat16 dot path
-  only: ``unpacks``): ``Q4Linear`` unpacks its weight to bfloat16 for that call (transient,
-  never kept) and runs oneDNN's bfloat16 matmul.
+- ``quant_activations: int8`` (or ``auto``, wherever the kernel has an integer vector path:
+  ``int8_activations``) has ``Q4Linear`` quantize each row of its input per group of 32, as
+  llama.cpp's Q8_0 does (``d = max|x| / 127``), for integer dot products (``q4_q8_linear``: AVX2
+  vpmaddubsw, or AVX512-VNNI vpdpbusd): the dequantized weight times the dequantized row, about
+  1.3-1.75x the float32 path's speed on Zen 3 and 1.4-1.8x the bfloat16 dot path's on Zen 4 from
+  16 rows, at the accuracy cost of rounding each activation to 1/127 of its group's largest
+  (measured in performance.md).
+  With int8 activations on AVX512-VNNI the Q8_0 output matrix quantizes its input the same way
+  (``int8_q8_linear``: the int8 weight against the Q8_0 codes, integer dot products, ~5x its
+  bfloat16-input kernel at 16-32 rows on Zen 4); elsewhere its input stays bfloat16.
+- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on AVX512-BF16 hosts only,
+  in either activation mode: ``unpacks``): ``Q4Linear`` unpacks its weight to bfloat16 for that
+  call (transient, never kept) and runs oneDNN's bfloat16 matmul.
   The 4-bit kernel's bf16 dot products win when few rows share each weight read (decoding); at
   many rows of a 1536 x 8960 layer they reach ~174 GFLOP/s, oneDNN's bfloat16 matmul ~2,350
   (AMX, Sapphire Rapids, measured) or ~430 (AVX512-BF16 without AMX, Zen 4: the figure of the
@@ -230,9 +235,10 @@ DEQUANT_ROWS = 1024
 def unpacks(rows: int) -> bool:
     """Whether ``Q4Linear`` runs a step of ``rows`` rows over its weight unpacked to bfloat16:
     from ``DEQUANT_ROWS`` rows, where the kernel's path is the bfloat16 dot product (AVX512-BF16,
-    so oneDNN has a fast bfloat16 matmul too). The float32 path (AVX2, AVX-512 without BF16)
-    runs every step itself: it reaches the float32 matmul's rate at many rows, and oneDNN has no
-    bfloat16 matmul on those CPUs (ATen's loop, ~16 GFLOP/s on 2 Zen 3 cores, would take it)."""
+    so oneDNN has a fast bfloat16 matmul too), with int8 activations as well (their VNNI tile is
+    no faster than oneDNN without AMX, ~6x slower with it). The float32 path (AVX2, AVX-512
+    without BF16) runs every step itself: it reaches the float32 matmul's rate at many rows, and
+    oneDNN has no bfloat16 matmul on those CPUs (ATen's loop, ~16 GFLOP/s on 2 Zen 3 cores)."""
     return rows >= DEQUANT_ROWS and _bf16_dot()
 
 
@@ -260,21 +266,23 @@ def q4_unpack(packed: Tensor, dtype: torch.dtype = ACT_DTYPE) -> Tensor:
 
 def int8_activations(setting: str, device: torch.device | str) -> bool:
     """Whether the 4-bit matmuls quantize their input to int8 (``quant_activations``): 'int8'
-    always, 'bfloat16' (the default) never, 'auto' where tinyllm's 4-bit kernel would otherwise
-    compute in float32 FMAs (AVX2, AVX-512 without BF16): integer dot products are faster there,
-    while with AVX512-BF16 the bfloat16 dot products are both fast and exact. Raises
+    always, 'bfloat16' (the default) never, 'auto' wherever tinyllm's 4-bit kernel runs with an
+    integer vector path (AVX2, or AVX512-VNNI: ``q4_q8_isa()``): integer dot products beat the
+    float32 FMAs of AVX2 hosts (~1.5x) and the bfloat16 dot products of AVX512-BF16 ones (~1.5x
+    from 16 rows on Zen 4), at the accuracy cost of rounding each activation. Raises
     ValueError for 'int8' where tinyllm's kernel does not run (torch's int4 matmul takes bfloat16)."""
     usable = q4_usable(device)
     if setting == "int8" and not usable:
         raise ValueError("quant_activations int8 needs tinyllm's 4-bit kernel, which this process does not have "
                          "(kernels not built, TINYLLM_KERNELS=0, or a CPU without AVX2); use bfloat16 or auto")
-    return setting == "int8" or (setting == "auto" and usable and not _bf16_dot())
+    return setting == "int8" or (setting == "auto" and usable and bool(torch.ops.tinyllm.q4_q8_isa()))
 
 
 class Q4Linear(nn.Module):
     """``F.linear`` with a 4-bit weight in tinyllm's layout (``q4_pack``, packed once at load).
-    With ``int8``, x is quantized per group of 32 (``q4_q8_linear``) for every step; else x stays
-    bfloat16, and from ``DEQUANT_ROWS`` rows on the weight is unpacked to bfloat16 for the call."""
+    With ``int8``, x is quantized per group of 32 (``q4_q8_linear``); else x stays bfloat16
+    (``q4_linear``). A step that ``unpacks`` runs oneDNN's bfloat16 matmul over the weight unpacked
+    for the call, in either mode."""
 
     def __init__(self, w: QuantWeight, bias: Tensor | None, int8: bool = False):
         super().__init__()
@@ -284,10 +292,10 @@ class Q4Linear(nn.Module):
         self.int8 = int8
 
     def forward(self, x: Tensor) -> Tensor:
+        if unpacks(x.shape[0]):  # whatever the activation mode: oneDNN's bfloat16 matmul wins here
+            return torch.nn.functional.linear(x, q4_unpack(self.packed), self.bias)
         if self.int8:
             return torch.ops.tinyllm.q4_q8_linear(x, self.packed, self.bias)
-        if unpacks(x.shape[0]):
-            return torch.nn.functional.linear(x, q4_unpack(self.packed), self.bias)
         return torch.ops.tinyllm.q4_linear(x, self.packed, self.bias)
 
     def extra_repr(self) -> str:
@@ -301,21 +309,40 @@ def int4_linear(w: QuantWeight, bias: Tensor | None, device: torch.device | str,
     return Q4Linear(w, bias, int8) if q4_usable(device) else Int4Linear(w, bias)
 
 
-class Int8Embedding(nn.Module):
-    """An int8 [vocab, hidden] matrix serving both the embedding lookup and (tied) output matmul."""
+def int8_head_packs(shape: tuple[int, int]) -> bool:
+    """Whether an int8 [N, K] output matrix runs with int8 activations (``int8_q8_linear``): on
+    AVX512-VNNI, N a multiple of 16 and K of 32. Elsewhere its input stays bfloat16."""
+    n, k = shape
+    return native.load() and torch.ops.tinyllm.q4_q8_isa() == "avx512-vnni" and n % 16 == 0 and k % 32 == 0
 
-    def __init__(self, w: Int8Rows):
+
+class Int8Embedding(nn.Module):
+    """An int8 [vocab, hidden] matrix serving both the embedding lookup and (tied) output matmul.
+    With ``int8`` activations (where ``int8_head_packs``) the rows are held in ``int8_pack``'s
+    order instead, [N/16, K/4, 16, 4] (one copy still: the lookup reads them there), and the
+    output matmul quantizes its input per group of 32 as the 4-bit matmuls do."""
+
+    def __init__(self, w: Int8Rows, int8: bool = False):
         super().__init__()
-        self.register_buffer("q", w.q)
+        self.int8 = int8 and int8_head_packs(w.shape)
+        self.register_buffer("q", torch.ops.tinyllm.int8_pack(w.q) if self.int8 else w.q)
         self.register_buffer("scale", w.scale.to(ACT_DTYPE))
         self.native = False  # set by llama.use_native_ops: the output projection runs tinyllm's int8 kernel
 
+    def rows(self, ids: Tensor) -> Tensor:
+        """The int8 rows ``ids`` [n] -> [n, K], from whichever order they are held in."""
+        if self.int8:
+            return self.q[ids // 16, :, ids % 16, :].reshape(ids.numel(), -1)
+        return self.q.index_select(0, ids)
+
     def forward(self, ids: Tensor) -> Tensor:
-        return self.q.index_select(0, ids).to(ACT_DTYPE).mul_(self.scale.index_select(0, ids)[:, None])
+        return self.rows(ids).to(ACT_DTYPE).mul_(self.scale.index_select(0, ids)[:, None])
 
     def linear(self, x: Tensor) -> Tensor:
-        # tinyllm's kernel returns float32 (it sums in float32 anyway): logits rounded to bfloat16
+        # tinyllm's kernels return float32 (they sum in float32 anyway): logits rounded to bfloat16
         # tie tokens that float32 tells apart. torch's kernel (the fallback) returns bfloat16.
+        if self.int8:
+            return torch.ops.tinyllm.int8_q8_linear(x, self.q, self.scale)
         if self.native and self.q.shape[1] % 16 == 0:
             return native.int8_linear(x, self.q, self.scale, float32_out=True)
         return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scale)
