@@ -321,13 +321,15 @@ def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16-acts", "int8-acts"])
 def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch, int8):
     """A step of ``DEQUANT_ROWS`` rows or more: on the bfloat16 dot path (AVX512-BF16) it leaves
-    the one-call layer kernel for the layer's modules, whose Q4Linear unpacks to bfloat16, in
-    either activation mode; on the float32 path (AVX2) the 4-bit kernel runs it (oneDNN has no
-    fast bfloat16 matmul there). Either way the logits agree with the dequantized model, and the
-    path taken is the one ``q4_isa`` says."""
+    the one-call layer kernel for the layer's modules, whose Q4Linear unpacks to bfloat16 (with
+    int8 activations only where oneDNN has AMX: elsewhere the VNNI tile is faster); on the float32
+    path (AVX2) the 4-bit kernel runs it (oneDNN has no fast bfloat16 matmul there). Either way
+    the logits agree with the dequantized model, and the path taken is the one ``q4_isa`` and
+    the CPU's flags say."""
     if not quant.q4_usable(torch.device("cpu")):
         pytest.skip("tinyllm's 4-bit kernel runs where its build has an AVX2 or AVX-512 path")
-    unpacking = torch.ops.tinyllm.q4_isa() == "avx512-bf16"
+    from tinyllm_cli.machine import has_amx
+    unpacking = torch.ops.tinyllm.q4_isa() == "avx512-bf16" and (not int8 or has_amx())
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", int8_activations=int8)
     assert model.int8_activations == int8

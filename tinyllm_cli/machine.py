@@ -1,9 +1,30 @@
-"""What machine a measurement ran on, for performance tables and profiles (every table names
-its CPU): one reading of /proc/cpuinfo, with the platform's word where there is none."""
+"""What machine this is: the CPU's name for performance tables and profiles (every table names
+its CPU), with the platform's word where /proc/cpuinfo has none, and its feature flags for
+choices that depend on them (the kernels' build key, AMX)."""
 
 from __future__ import annotations
 
 import platform
+from functools import lru_cache
+
+
+@lru_cache(maxsize=None)
+def cpu_flags_line() -> str:
+    """/proc/cpuinfo's flags line (x86) or Features line (Arm); empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles for bfloat16 (Intel Sapphire Rapids and later), which
+    oneDNN's bfloat16 matmul uses."""
+    return {"amx_tile", "amx_bf16"} <= set(cpu_flags_line().split())
 
 
 def cpu_name() -> str:

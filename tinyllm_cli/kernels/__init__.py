@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from ..machine import cpu_flags_line
+
 try:
     import fcntl
 except ImportError:  # not POSIX: builds are not locked across processes
@@ -65,19 +67,9 @@ def cache_root() -> Path:
     return Path(base) / "tinyllm" / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def build_key() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), sys.version.encode(),
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_flags_line().encode(), sys.version.encode(),
                  " ".join(CFLAGS).encode()):
         h.update(part)
     return h.hexdigest()[:16]

@@ -1441,23 +1441,21 @@ template <int64_t R>
   }
 }
 
-// Rows [r0, r1) of one block through the VNNI tile, kVnniRows at a time.
-void q4_q8_block_vnni(const int8_t* xq, const float* d, const float* dsum, int64_t r0, int64_t r1, int64_t k,
-                      const uint8_t* wb, const float* bias, uint16_t* y, int64_t n) {
-  const int64_t groups = k / 32;
+// Rows [r0, r1) in VNNI tiles, kVnniRows at a time: tile.template operator()<R>(r) for each tile
+// of R rows starting at row r (the last one takes the remainder).
+template <typename Tile>
+void vnni_tiles(int64_t r0, int64_t r1, Tile&& tile) {
+  static_assert(kVnniRows == 8, "one case per tile height");
   for (int64_t r = r0; r < r1; r += kVnniRows) {
-    const int8_t* xr = xq + r * k;
-    const float *dr = d + r * groups, *sr = dsum + r * groups;
-    uint16_t* yr = y + r * n;
     switch (std::min(kVnniRows, r1 - r)) {
-      case 8: q4_q8_tile_vnni<8>(xr, dr, sr, k, wb, bias, yr, n); break;
-      case 7: q4_q8_tile_vnni<7>(xr, dr, sr, k, wb, bias, yr, n); break;
-      case 6: q4_q8_tile_vnni<6>(xr, dr, sr, k, wb, bias, yr, n); break;
-      case 5: q4_q8_tile_vnni<5>(xr, dr, sr, k, wb, bias, yr, n); break;
-      case 4: q4_q8_tile_vnni<4>(xr, dr, sr, k, wb, bias, yr, n); break;
-      case 3: q4_q8_tile_vnni<3>(xr, dr, sr, k, wb, bias, yr, n); break;
-      case 2: q4_q8_tile_vnni<2>(xr, dr, sr, k, wb, bias, yr, n); break;
-      default: q4_q8_tile_vnni<1>(xr, dr, sr, k, wb, bias, yr, n); break;
+      case 8: tile.template operator()<8>(r); break;
+      case 7: tile.template operator()<7>(r); break;
+      case 6: tile.template operator()<6>(r); break;
+      case 5: tile.template operator()<5>(r); break;
+      case 4: tile.template operator()<4>(r); break;
+      case 3: tile.template operator()<3>(r); break;
+      case 2: tile.template operator()<2>(r); break;
+      default: tile.template operator()<1>(r); break;
     }
   }
 }
@@ -1484,7 +1482,10 @@ void q4_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int
 #if defined(TINYLLM_Q4_VNNI)
       if (!portable) {
         for (int64_t b = b0; b < b1; ++b)
-          q4_q8_block_vnni(xq, d, dsum, r0, r1, k, w + b * groups * Q4_BLOCK, bias ? bias + b * 16 : nullptr, y + b * 16, n);
+          vnni_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
+            q4_q8_tile_vnni<R>(xq + r * k, d + r * groups, dsum + r * groups, k, w + b * groups * Q4_BLOCK,
+                               bias ? bias + b * 16 : nullptr, y + r * n + b * 16, n);
+          });
         continue;
       }
 #elif defined(TINYLLM_Q4_INT8)
@@ -1591,23 +1592,10 @@ void int8_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const int8_t* w, co
 #if defined(TINYLLM_Q4_VNNI)
       if (!portable) {
         for (int64_t b = b0; b < b1; ++b)
-          for (int64_t r = r0; r < r1; r += kVnniRows) {
-            const int8_t* xr = xq + r * k;
-            const float* dr = d + r * groups;
-            const int32_t* sr = sums + r * groups;
-            const int8_t* wb = w + b * 16 * k;
-            float* yr = y + r * n + b * 16;
-            switch (std::min(kVnniRows, r1 - r)) {
-              case 8: int8_q8_tile<8>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
-              case 7: int8_q8_tile<7>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
-              case 6: int8_q8_tile<6>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
-              case 5: int8_q8_tile<5>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
-              case 4: int8_q8_tile<4>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
-              case 3: int8_q8_tile<3>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
-              case 2: int8_q8_tile<2>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
-              default: int8_q8_tile<1>(xr, dr, sr, k, wb, scale + b * 16, yr, n); break;
-            }
-          }
+          vnni_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
+            int8_q8_tile<R>(xq + r * k, d + r * groups, sums + r * groups, k, w + b * 16 * k, scale + b * 16,
+                            y + r * n + b * 16, n);
+          });
         continue;
       }
 #endif

@@ -32,9 +32,9 @@ What each form computes (the same math as the dequantized weights, up to stated 
   With int8 activations on AVX512-VNNI the Q8_0 output matrix quantizes its input the same way
   (``int8_q8_linear``: the int8 weight against the Q8_0 codes, integer dot products, ~5x its
   bfloat16-input kernel at 16-32 rows on Zen 4); elsewhere its input stays bfloat16.
-- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on AVX512-BF16 hosts only,
-  in either activation mode: ``unpacks``): ``Q4Linear`` unpacks its weight to bfloat16 for that
-  call (transient, never kept) and runs oneDNN's bfloat16 matmul.
+- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on AVX512-BF16 hosts; with
+  int8 activations on AMX hosts only: ``unpacks``): ``Q4Linear`` unpacks its weight to bfloat16
+  for that call (transient, never kept) and runs oneDNN's bfloat16 matmul.
   The 4-bit kernel's bf16 dot products win when few rows share each weight read (decoding); at
   many rows of a 1536 x 8960 layer they reach ~174 GFLOP/s, oneDNN's bfloat16 matmul ~2,350
   (AMX, Sapphire Rapids, measured) or ~430 (AVX512-BF16 without AMX, Zen 4: the figure of the
@@ -63,6 +63,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import kernels as native
+from ..machine import has_amx
 
 GROUP = 32
 ACT_DTYPE = torch.bfloat16
@@ -232,14 +233,15 @@ def q4_usable(device: torch.device) -> bool:
 DEQUANT_ROWS = 1024
 
 
-def unpacks(rows: int) -> bool:
+def unpacks(rows: int, int8: bool = False) -> bool:
     """Whether ``Q4Linear`` runs a step of ``rows`` rows over its weight unpacked to bfloat16:
     from ``DEQUANT_ROWS`` rows, where the kernel's path is the bfloat16 dot product (AVX512-BF16,
-    so oneDNN has a fast bfloat16 matmul too), with int8 activations as well (their VNNI tile is
-    no faster than oneDNN without AMX, ~6x slower with it). The float32 path (AVX2, AVX-512
-    without BF16) runs every step itself: it reaches the float32 matmul's rate at many rows, and
-    oneDNN has no bfloat16 matmul on those CPUs (ATen's loop, ~16 GFLOP/s on 2 Zen 3 cores)."""
-    return rows >= DEQUANT_ROWS and _bf16_dot()
+    so oneDNN has a fast bfloat16 matmul too); with ``int8`` activations only where oneDNN has
+    AMX: without it the VNNI tile outruns unpacking + oneDNN (Zen 4, the default model's layers at
+    1,460 rows: 0.87 s against 1.30). The float32 path (AVX2, AVX-512 without BF16) runs every
+    step itself: it reaches the float32 matmul's rate at many rows, and oneDNN has no bfloat16
+    matmul on those CPUs (ATen's loop, ~16 GFLOP/s on 2 Zen 3 cores)."""
+    return rows >= DEQUANT_ROWS and _bf16_dot() and (not int8 or has_amx())
 
 
 @lru_cache(maxsize=None)
@@ -282,7 +284,7 @@ class Q4Linear(nn.Module):
     """``F.linear`` with a 4-bit weight in tinyllm's layout (``q4_pack``, packed once at load).
     With ``int8``, x is quantized per group of 32 (``q4_q8_linear``); else x stays bfloat16
     (``q4_linear``). A step that ``unpacks`` runs oneDNN's bfloat16 matmul over the weight unpacked
-    for the call, in either mode."""
+    for the call."""
 
     def __init__(self, w: QuantWeight, bias: Tensor | None, int8: bool = False):
         super().__init__()
@@ -292,7 +294,7 @@ class Q4Linear(nn.Module):
         self.int8 = int8
 
     def forward(self, x: Tensor) -> Tensor:
-        if unpacks(x.shape[0]):  # whatever the activation mode: oneDNN's bfloat16 matmul wins here
+        if unpacks(x.shape[0], self.int8):  # oneDNN's bfloat16 matmul wins here
             return torch.nn.functional.linear(x, q4_unpack(self.packed), self.bias)
         if self.int8:
             return torch.ops.tinyllm.q4_q8_linear(x, self.packed, self.bias)
