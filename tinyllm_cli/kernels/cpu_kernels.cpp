@@ -1285,11 +1285,24 @@ void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w,
 
 constexpr int kQ8Order[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // position t of a code vector's 8 inputs
 
-// Rows [m, k] bfloat16 -> codes [m, k], d [m, k/32], sum [m, k/32] = the sum of each group's codes.
-// The codes of a group are stored in kQ8Order (q4_q8_linear) or in input order (int8_q8_linear).
-// Straight from the bfloat16 bits (widening is exact): no float32 copy of x first.
-void q8_quantize(const uint16_t* x, int64_t m, int64_t k, bool q4_order, int8_t* q, float* d, int32_t* sums) {
+// Rows [m, k] quantized per group, in the calling thread's scratch: codes q [m, k], d [m, k/32],
+// sum [m, k/32] = the sum of each group's codes (int8_q8_linear), dsum = d * sum (q4_q8_linear).
+struct Q8Rows {
+  int8_t* q;
+  float* d;
+  int32_t* sum;
+  float* dsum;
+};
+
+// x [m, k] bfloat16 -> Q8Rows. The codes of a group are stored in kQ8Order (q4_q8_linear) or in
+// input order (int8_q8_linear). Straight from the bfloat16 bits (widening is exact): no float32
+// copy of x first.
+Q8Rows q8_quantize(const uint16_t* x, int64_t m, int64_t k, bool q4_order) {
   const int64_t groups = k / 32;
+  float* buf = scratch(kQ8Rows, m * (3 * groups + k / 4));  // float slots; the codes take k / 4 a row
+  const Q8Rows rows{reinterpret_cast<int8_t*>(buf + 3 * m * groups), buf, reinterpret_cast<int32_t*>(buf + m * groups),
+                    buf + 2 * m * groups};
+  int8_t* q = rows.q;
   at::parallel_for(0, m * groups, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       float xg[32];  // rows are contiguous, so group i of the flat array
@@ -1304,9 +1317,21 @@ void q8_quantize(const uint16_t* x, int64_t m, int64_t k, bool q4_order, int8_t*
         q[i * 32 + e] = static_cast<int8_t>(v);
         sum += v;
       }
-      d[i] = amax / 127.0f;
-      sums[i] = sum;
+      rows.d[i] = amax / 127.0f;
+      rows.sum[i] = sum;
+      rows.dsum[i] = rows.d[i] * static_cast<float>(sum);
     }
+  });
+  return rows;
+}
+
+// Rows in chunks of kQ8RowChunk within each thread's range of blocks (16 outputs each): a thread
+// reads its blocks once per chunk while the chunk's codes stay in L1/L2. body(b0, b1, r0, r1).
+constexpr int64_t kQ8RowChunk = 48;
+template <typename Body>
+void q8_row_chunks(int64_t m, int64_t blocks, int64_t grain, Body&& body) {
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t r0 = 0; r0 < m; r0 += kQ8RowChunk) body(b0, b1, r0, std::min(m, r0 + kQ8RowChunk));
   });
 }
 
@@ -1465,49 +1490,39 @@ void vnni_tiles(int64_t r0, int64_t r1, Tile&& tile) {
 void q4_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias, uint16_t* y,
                   bool portable) {
   const int64_t groups = k / 32, blocks = n / 16;
-  // Codes, d, the codes' sums and dsum = d * sum in the calling thread's scratch (float slots;
-  // the codes take k / 4 floats a row).
-  float* buf = scratch(kQ8Rows, m * (3 * groups + k / 4));
-  float *d = buf, *dsum = buf + m * groups;
-  auto* sums = reinterpret_cast<int32_t*>(buf + 2 * m * groups);
-  auto* xq = reinterpret_cast<int8_t*>(buf + 3 * m * groups);
-  q8_quantize(x, m, k, true, xq, d, sums);
-  for (int64_t i = 0; i < m * groups; ++i) dsum[i] = d[i] * static_cast<float>(sums[i]);
-  // Rows in chunks: a thread's blocks are read once per chunk of rows, the chunk's codes stay in L2.
-  constexpr int64_t kRowChunk = 48;
-  const int64_t grain = m * k * n < (1 << 16) ? blocks : 1;
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
-      const int64_t r1 = std::min(m, r0 + kRowChunk);
+  const Q8Rows q8 = q8_quantize(x, m, k, true);
+  const int8_t* xq = q8.q;
+  const float *d = q8.d, *dsum = q8.dsum;
+  const int64_t grain = m * k * n < (1 << 16) ? blocks : 1;  // tiny products on one thread
+  q8_row_chunks(m, blocks, grain, [&](int64_t b0, int64_t b1, int64_t r0, int64_t r1) {
 #if defined(TINYLLM_Q4_VNNI)
-      if (!portable) {
-        for (int64_t b = b0; b < b1; ++b)
-          vnni_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
-            q4_q8_tile_vnni<R>(xq + r * k, d + r * groups, dsum + r * groups, k, w + b * groups * Q4_BLOCK,
-                               bias ? bias + b * 16 : nullptr, y + r * n + b * 16, n);
-          });
-        continue;
-      }
-#elif defined(TINYLLM_Q4_INT8)
-      if (!portable) {
-        for (int64_t b = b0; b < b1; ++b) {
-          const uint8_t* wb = w + b * groups * Q4_BLOCK;
-          const float* bb = bias ? bias + b * 16 : nullptr;
-          for (int64_t r = r0; r < r1; r += 3) {
-            const int8_t* xr = xq + r * k;
-            const float *dr = d + r * groups, *sr = dsum + r * groups;
-            uint16_t* yr = y + r * n + b * 16;
-            if (r1 - r >= 3) q4_q8_tile<3>(xr, dr, sr, k, wb, bb, yr, n);
-            else if (r1 - r == 2) q4_q8_tile<2>(xr, dr, sr, k, wb, bb, yr, n);
-            else q4_q8_tile<1>(xr, dr, sr, k, wb, bb, yr, n);
-          }
-        }
-        continue;
-      }
-#endif
-      q4_q8_rows_portable(xq + r0 * k, d + r0 * groups, dsum + r0 * groups, r1 - r0, k, w, b0, b1, bias,
-                          y + r0 * n, n);
+    if (!portable) {
+      for (int64_t b = b0; b < b1; ++b)
+        vnni_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
+          q4_q8_tile_vnni<R>(xq + r * k, d + r * groups, dsum + r * groups, k, w + b * groups * Q4_BLOCK,
+                             bias ? bias + b * 16 : nullptr, y + r * n + b * 16, n);
+        });
+      return;
     }
+#elif defined(TINYLLM_Q4_INT8)
+    if (!portable) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* wb = w + b * groups * Q4_BLOCK;
+        const float* bb = bias ? bias + b * 16 : nullptr;
+        for (int64_t r = r0; r < r1; r += 3) {
+          const int8_t* xr = xq + r * k;
+          const float *dr = d + r * groups, *sr = dsum + r * groups;
+          uint16_t* yr = y + r * n + b * 16;
+          if (r1 - r >= 3) q4_q8_tile<3>(xr, dr, sr, k, wb, bb, yr, n);
+          else if (r1 - r == 2) q4_q8_tile<2>(xr, dr, sr, k, wb, bb, yr, n);
+          else q4_q8_tile<1>(xr, dr, sr, k, wb, bb, yr, n);
+        }
+      }
+      return;
+    }
+#endif
+    q4_q8_rows_portable(xq + r0 * k, d + r0 * groups, dsum + r0 * groups, r1 - r0, k, w, b0, b1, bias,
+                        y + r0 * n, n);
   });
 }
 
@@ -1579,28 +1594,24 @@ template <int64_t R>
 void int8_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const int8_t* w, const float* scale, int64_t n, float* y,
                     bool portable) {
   const int64_t groups = k / 32, blocks = n / 16;
-  float* buf = scratch(kQ8Rows, m * (2 * groups + k / 4));
-  float* d = buf;
-  auto* sums = reinterpret_cast<int32_t*>(buf + m * groups);
-  auto* xq = reinterpret_cast<int8_t*>(buf + 2 * m * groups);
-  q8_quantize(x, m, k, false, xq, d, sums);
-  constexpr int64_t kRowChunk = 48;  // a chunk's codes stay in L1/L2 while a thread's blocks pass
+  const Q8Rows q8 = q8_quantize(x, m, k, false);
+  const int8_t* xq = q8.q;
+  const float* d = q8.d;
+  const int32_t* sums = q8.sum;
+  // One contiguous range of blocks per thread: each streams its part of the matrix once per chunk.
   const int64_t threads = at::get_num_threads(), grain = std::max<int64_t>(1, (blocks + threads - 1) / threads);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t r0 = 0; r0 < m; r0 += kRowChunk) {
-      const int64_t r1 = std::min(m, r0 + kRowChunk);
+  q8_row_chunks(m, blocks, grain, [&](int64_t b0, int64_t b1, int64_t r0, int64_t r1) {
 #if defined(TINYLLM_Q4_VNNI)
-      if (!portable) {
-        for (int64_t b = b0; b < b1; ++b)
-          vnni_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
-            int8_q8_tile<R>(xq + r * k, d + r * groups, sums + r * groups, k, w + b * 16 * k, scale + b * 16,
-                            y + r * n + b * 16, n);
-          });
-        continue;
-      }
-#endif
-      int8_q8_rows_portable(xq + r0 * k, d + r0 * groups, r1 - r0, k, w, scale, b0, b1, y + r0 * n, n);
+    if (!portable) {
+      for (int64_t b = b0; b < b1; ++b)
+        vnni_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
+          int8_q8_tile<R>(xq + r * k, d + r * groups, sums + r * groups, k, w + b * 16 * k, scale + b * 16,
+                          y + r * n + b * 16, n);
+        });
+      return;
     }
+#endif
+    int8_q8_rows_portable(xq + r0 * k, d + r0 * groups, r1 - r0, k, w, scale, b0, b1, y + r0 * n, n);
   });
 }
 
