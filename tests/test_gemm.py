@@ -27,7 +27,10 @@ needs_panel = pytest.mark.skipif(not panel_usable(torch.float32, CPU),
 def auto_gemm(dtype: torch.dtype) -> str:
     """What 'auto' must resolve to here, from the rule in gemm.py's docstring."""
     onednn = gemm_module.onednn_usable  # looked up at call time: the no_bf16_onednn fixture replaces it
-    if panel_usable(dtype, CPU) and kernels.panel_isa() == "avx2" and (dtype == torch.float32 or not onednn(dtype, CPU)):
+    isa = kernels.panel_isa() if panel_usable(dtype, CPU) else ""
+    if isa.endswith("-bf16") and dtype == torch.bfloat16:  # bfloat16 dot products
+        return "panel"
+    if isa == "avx2" and (dtype == torch.float32 or not onednn(dtype, CPU)):
         return "panel"
     if onednn(dtype, CPU):
         return "onednn"
@@ -165,18 +168,48 @@ def test_panel_linear_takes_strided_and_batched_rows():
 
 @needs_panel
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 300])
-def test_bf16_panels_are_a_bf16_matmul_with_fp32_accumulation(rows):
-    """bfloat16 weights stay bfloat16 in the panels (half the bytes of onednn-f32) and widen
-    exactly: bfloat16 in and out, the float32 product rounded once. Up to 3 rows read the
-    bfloat16 panels directly, more widen each panel once into a buffer: both ways are covered."""
+@pytest.mark.parametrize("n,k", [(200, 96), (136, 2100), (40, 95)])
+def test_bf16_panels_are_a_bf16_matmul_with_fp32_accumulation(rows, n, k):
+    """bfloat16 weights stay bfloat16 in the panels (half the bytes of onednn-f32): bfloat16 in
+    and out, the exact float32 products summed in float32 and rounded once. Without AVX512-BF16
+    they widen (up to 3 rows read the bfloat16 panels directly, more widen each panel once into a
+    buffer); with it they are bfloat16 dot products in row tiles of up to 8 (1-300 rows: tiles of
+    1, 3, 4, 7 and 8), over K blocks of 1024 (K 2100: partial sums carried between blocks), the last panel
+    narrower than a vector (N 200, 136, 40); an odd K keeps the widening panels."""
     g = torch.Generator().manual_seed(rows)
-    w, b = torch.randn(200, 96, generator=g).bfloat16(), torch.randn(200, generator=g).bfloat16()
-    x = torch.randn(rows, 96, generator=g).bfloat16()
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
     lin = PanelLinear(w, b)
     got = lin(x)
     assert got.dtype == torch.bfloat16 and lin.packed.dtype == torch.bfloat16
-    ref = F.linear(x.float(), w.float(), b.float())
+    ref = F.linear(x.float().double(), w.double(), b.double()).float()
     torch.testing.assert_close(got.float(), ref, rtol=2 ** -8, atol=1e-5)  # one bfloat16 rounding
+
+
+@needs_panel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_rows_do_not_depend_on_the_rows_beside_them(dtype):
+    """Each row's output is bitwise the same alone or in a step of 13 rows (tiles of 8 and 5, or 6, 6 and 1):
+    a speculative verify step reproduces plain one-row steps."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(136, 1100, generator=g).to(dtype), torch.randn(13, 1100, generator=g).to(dtype)
+    lin = PanelLinear(w, None)
+    together = lin(x)
+    for r in range(13):
+        assert torch.equal(lin(x[r:r + 1]), together[r:r + 1]), r
+
+
+@needs_panel
+def test_bf16_panels_take_float32_rows_as_bf16_products():
+    """A float32 row against bfloat16 panels returns float32: F.linear in float32 of the weight's
+    values and the row as the panels multiply it (rounded to bfloat16 on bfloat16 dot products,
+    exact when widened)."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(72, 64, generator=g).bfloat16(), torch.randn(5, 64, generator=g)
+    got = PanelLinear(w, None)(x)
+    assert got.dtype == torch.float32
+    xs = x.bfloat16().float() if kernels.panel_isa().endswith("-bf16") else x
+    torch.testing.assert_close(got, F.linear(xs, w.float()), rtol=1e-5, atol=1e-4)
 
 
 @needs_panel

@@ -326,7 +326,8 @@ def int8_linear(x, q, scale, float32_out: bool = False):
 
 
 def panel_isa() -> str:
-    """The vector width ``panel_linear`` was built for: 'avx512', 'avx2', or '' (it cannot run)."""
+    """The vector width ``panel_linear`` was built for: 'avx512', 'avx2', or '' (it cannot run); with
+    '-bf16' where bfloat16 weights run on bfloat16 dot products (AVX512-BF16)."""
     return str(torch.ops.tinyllm.panel_isa())
 
 

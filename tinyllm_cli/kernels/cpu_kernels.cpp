@@ -609,7 +609,7 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
 // Per-thread scratch buffers, kept across calls: one slot per use, grown to at least n floats.
 // A buffer allocated per call costs a malloc each time, and past glibc's mmap threshold (128 KB)
 // fresh pages to fault in on every call. A slot is used by one function at a time per thread.
-enum ScratchSlot { kTileOut, kPanelBuf, kRowsIn, kQ8Rows, kScratchSlots };
+enum ScratchSlot { kTileOut, kPanelBuf, kRowsIn, kQ8Rows, kDotPart, kScratchSlots };
 inline float* scratch(ScratchSlot slot, int64_t n) {
   thread_local std::vector<float> bufs[kScratchSlots];
   auto& b = bufs[slot];
@@ -1048,15 +1048,165 @@ constexpr const char* kPanelIsa = "";
 constexpr int64_t PANEL_NR = 16;
 #endif
 
-// The vector width panel_linear was built for: "avx512", "avx2", or "" where it cannot run.
-std::string panel_isa() { return kPanelIsa; }
+// ---- panel_linear on bfloat16 dot products (AVX512-BF16) ------------------------------------
+//
+// A bfloat16 weight on a CPU with AVX512-BF16 is packed for vdpbf16ps instead of widening: column
+// panels of DOT_NR outputs, each k-pair-major ([K/2][cols][2]: a 512-bit load holds 16 outputs'
+// weights at inputs 2j and 2j+1), the last panel [K/2][N % DOT_NR][2]. A DOT_MR-row x DOT_NR
+// register tile (24 accumulators, 3 weight vectors, one broadcast pair of x) takes 32 products
+// per instruction, twice a float32 FMA's, at half its bytes; 8 x 48 ran 5-15% ahead of 6 x 64,
+// 12 x 32 and 9 x 48 from 4 to 1024 rows (Zen 4). Why: oneDNN's bfloat16 matmul runs the 135M
+// model's 576-wide layers at 1.3-2.3x below this tile at decode row counts (1-64 rows) and level
+// from 256 rows on (AMD Zen 4, 2 cores; docs/performance.md).
+// Each product of two bfloat16 values is exact in float32 and the sums are float32 in k order
+// (vdpbf16ps flushes subnormal inputs and results to zero): F.linear in float32 up to summation
+// order, rounded once to bfloat16. K runs in blocks of DOT_KC (a block of one panel, 96 KB,
+// stays in L2 while every row tile reads it), float32 partial sums kept between blocks; a row's
+// output does not depend on the rows beside it.
+// x enters as bfloat16 (a float32 x is rounded to bfloat16 first: the products are bfloat16's);
+// the output is x's dtype.
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TINYLLM_PANEL_BF16DOT 1
+constexpr int64_t DOT_NR = 48, DOT_MR = 8, DOT_KC = 1024;
+
+// Lanes [0, cols) of a 16-output block, as a mask over its 32 bfloat16 weights / 16 outputs.
+inline __mmask32 dot_wmask(int64_t cols) { return cols >= 16 ? ~__mmask32(0) : (__mmask32(1) << (2 * cols)) - 1; }
+inline __mmask16 dot_ymask(int64_t cols) { return cols >= 16 ? ~__mmask16(0) : (__mmask16(1) << cols) - 1; }
+
+// R rows x NB blocks of 16 outputs over k pairs [0, kpairs) of one panel block (wld: elements per
+// k pair). part holds the float32 sums between K blocks (first: start from zero; last: add bias,
+// round, store y). cols < NB * 16 only in the last panel (masked loads and stores). The first row
+// tile of a block prefetches the weights 16 pairs ahead: it streams them from memory; the others
+// find them in L2.
+template <int R, int NB, typename O>
+inline void dot_tile(const uint16_t* x, int64_t ldx, int64_t kpairs, const uint16_t* w, int64_t wld, int64_t cols,
+                     float* part, bool first, bool last, const float* bias, typename O::T* y, int64_t ldy, bool pf) {
+  __m512 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b)
+      acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * DOT_NR + b * 16);
+  const bool full = cols == NB * 16;
+  for (int64_t kp = 0; kp < kpairs; ++kp) {
+    const uint16_t* wk = w + kp * wld;
+    if (pf)
+      for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * wld + b * 32), _MM_HINT_T0);
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b)
+      wv[b] = (__m512bh)(full ? _mm512_loadu_si512(wk + b * 32)
+                              : _mm512_maskz_loadu_epi16(dot_wmask(cols - b * 16), wk + b * 32));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * kp, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[b], a);
+    }
+  }
+  if (!last) {
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(part + r * DOT_NR + b * 16, acc[r][b]);
+    return;
+  }
+  for (int b = 0; b < NB; ++b) {
+    const __mmask16 mk = dot_ymask(cols - b * 16);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + b * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = _mm512_add_ps(acc[r][b], bv);
+      if constexpr (std::is_same_v<O, F32>)
+        _mm512_mask_storeu_ps(y + r * ldy + b * 16, mk, v);
+      else
+        _mm256_mask_storeu_epi16(y + r * ldy + b * 16, mk, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+template <int NB, typename O>
+void dot_rows(int64_t rows, const uint16_t* x, int64_t ldx, int64_t kpairs, const uint16_t* w, int64_t wld,
+              int64_t cols, float* part, bool first, bool last, const float* bias, typename O::T* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; r += DOT_MR) {
+    const uint16_t* xr = x + r * ldx;
+    float* pr = part + r * DOT_NR;
+    typename O::T* yr = y + r * ldy;
+    const bool pf = r == 0;
+    switch (std::min<int64_t>(DOT_MR, rows - r)) {
+      case 8: dot_tile<8, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 7: dot_tile<7, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 6: dot_tile<6, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 5: dot_tile<5, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 4: dot_tile<4, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 3: dot_tile<3, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 2: dot_tile<2, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      default: dot_tile<1, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+    }
+  }
+}
+
+// y [M, N] (ldy = N) = x [M, K] (rows ldx apart) @ w^T (+ bias); w as panel_pack laid it out.
+// Thread t takes a contiguous range of panels: each weight byte is read from memory once.
+template <typename O>
+void dot_matmul(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w, int64_t n,
+                const float* bias, typename O::T* y) {
+  const int64_t panels = (n + DOT_NR - 1) / DOT_NR;
+  const int64_t grain = m * k * n < (1 << 16) ? panels : 1;  // a fork costs more than a tiny product
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    float* part = k > DOT_KC ? scratch(kDotPart, m * DOT_NR) : nullptr;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(DOT_NR, n - p * DOT_NR);
+      const float* b = bias ? bias + p * DOT_NR : nullptr;
+      for (int64_t k0 = 0; k0 < k; k0 += DOT_KC) {
+        const int64_t kl = std::min<int64_t>(DOT_KC, k - k0);
+        const bool first = k0 == 0, last = k0 + kl == k;
+        const uint16_t* wb = w + p * DOT_NR * k + k0 * cols;
+        auto run = [&](auto nb) {
+          dot_rows<decltype(nb)::value, O>(m, x + k0, ldx, kl / 2, wb, 2 * cols, cols, part, first, last, b,
+                                            y + p * DOT_NR, n);
+        };
+        switch ((cols + 15) / 16) {
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          default: run(std::integral_constant<int, 1>{}); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+// Whether panel_pack lays a weight out for dot_matmul (else float32 / bfloat16 panels for
+// panel_matmul): bfloat16, an even K, and a build with AVX512-BF16. panel_linear asks the same.
+inline bool dot_panels(const at::Tensor& w) {
+#if defined(TINYLLM_PANEL_BF16DOT)
+  return w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0;
+#else
+  return false;
+#endif
+}
+
+// The vector width panel_linear was built for: "avx512", "avx2", or "" where it cannot run; with
+// "-bf16" where bfloat16 weights run on bfloat16 dot products.
+std::string panel_isa() {
+#if defined(TINYLLM_PANEL_BF16DOT)
+  return std::string(kPanelIsa) + "-bf16";
+#else
+  return kPanelIsa;
+#endif
+}
 
 // w [N, K] float32 / bfloat16 -> the same shape and dtype, in panel_linear's order.
 at::Tensor panel_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "panel_pack: w must be float32 or bfloat16 [N, K]");
-  const int64_t n = w.size(0), k = w.size(1), full = n / PANEL_NR;
+  const int64_t n = w.size(0), k = w.size(1);
   auto out = at::empty({n, k}, w.options()).view({-1});
+  if (dot_panels(w)) {  // [N / DOT_NR][K / 2][DOT_NR][2], then the last panel's [K / 2][N % DOT_NR][2]
+    const int64_t whole = n / DOT_NR, rest = n - whole * DOT_NR;
+    out.narrow(0, 0, whole * DOT_NR * k).view({whole, k / 2, DOT_NR, 2})
+        .copy_(w.narrow(0, 0, whole * DOT_NR).view({whole, DOT_NR, k / 2, 2}).permute({0, 2, 1, 3}));
+    if (rest)
+      out.narrow(0, whole * DOT_NR * k, rest * k).view({k / 2, rest, 2})
+          .copy_(w.narrow(0, whole * DOT_NR, rest).view({rest, k / 2, 2}).permute({1, 0, 2}));
+    return out.view({n, k});
+  }
+  const int64_t full = n / PANEL_NR;
   auto panels = w.narrow(0, 0, full * PANEL_NR).view({full, PANEL_NR, k}).transpose(1, 2);
   out.narrow(0, 0, full * PANEL_NR * k).view({full, k, PANEL_NR}).copy_(panels);
   if (n > full * PANEL_NR)
@@ -1072,16 +1222,30 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && w.is_contiguous(),
               "panel_linear: x [M, K] and a packed w [N, K]");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  at::Tensor keep;
-  const float* xf = float_rows(x, keep);
   at::Tensor b;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, "panel_linear: bias must have N elements");
     b = bias->to(at::kFloat).contiguous();  // no copy for a float32 model's bias
   }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#if defined(TINYLLM_PANEL_BF16DOT)
+  if (dot_panels(w)) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+                "panel_linear: x must be float32 or bfloat16");
+    auto xb = x.to(at::kBFloat16);  // no copy for a bfloat16 model's rows
+    if (xb.stride(1) != 1) xb = xb.contiguous();
+    auto y = at::empty({m, n}, x.options());
+    if (x.scalar_type() == at::kFloat)
+      dot_matmul<F32>(ptr<BF16>(xb), xb.stride(0), m, k, ptr<BF16>(w), n, bp, y.data_ptr<float>());
+    else
+      dot_matmul<BF16>(ptr<BF16>(xb), xb.stride(0), m, k, ptr<BF16>(w), n, bp, ptr<BF16>(y));
+    return y;
+  }
+#endif
+  at::Tensor keep;
+  const float* xf = float_rows(x, keep);
   auto y = at::empty({m, n}, x.options().dtype(at::kFloat));
 #if defined(__AVX512F__) || defined(__AVX2__)
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (w.scalar_type() == at::kFloat)
     panel_matmul<F32>(xf, m, k, w.data_ptr<float>(), n, bp, y.data_ptr<float>());
   else
