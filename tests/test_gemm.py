@@ -27,10 +27,8 @@ needs_panel = pytest.mark.skipif(not panel_usable(torch.float32, CPU),
 def auto_gemm(dtype: torch.dtype) -> str:
     """What 'auto' must resolve to here, from the rule in gemm.py's docstring."""
     onednn = gemm_module.onednn_usable  # looked up at call time: the no_bf16_onednn fixture replaces it
-    isa = kernels.panel_isa() if panel_usable(dtype, CPU) else ""
-    if isa.endswith("-bf16") and dtype == torch.bfloat16:  # bfloat16 dot products
-        return "panel"
-    if isa == "avx2" and (dtype == torch.float32 or not onednn(dtype, CPU)):
+    if panel_usable(dtype, CPU) and (dtype == torch.float32 or kernels.panel_isa().endswith("-bf16")
+                                     or not onednn(dtype, CPU)):
         return "panel"
     if onednn(dtype, CPU):
         return "onednn"

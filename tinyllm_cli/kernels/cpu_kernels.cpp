@@ -609,7 +609,7 @@ at::Tensor& rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_si
 // Per-thread scratch buffers, kept across calls: one slot per use, grown to at least n floats.
 // A buffer allocated per call costs a malloc each time, and past glibc's mmap threshold (128 KB)
 // fresh pages to fault in on every call. A slot is used by one function at a time per thread.
-enum ScratchSlot { kTileOut, kPanelBuf, kRowsIn, kQ8Rows, kDotPart, kScratchSlots };
+enum ScratchSlot { kTileOut, kPanelBuf, kRowsIn, kQ8Rows, kWidePart, kScratchSlots };
 inline float* scratch(ScratchSlot slot, int64_t n) {
   thread_local std::vector<float> bufs[kScratchSlots];
   auto& b = bufs[slot];
@@ -933,6 +933,8 @@ void q4_rows_fast(const uint16_t* x, int64_t rows, int64_t k, const float* xsum,
 // reading the weights once; oneDNN's packed matmul streams them at about a third of the memory
 // bandwidth at 1-16 rows (model/gemm.py). Here each panel is read once per chunk of rows,
 // sequentially, and a 6-row x PANEL_NR register tile accumulates all K products in float32.
+// On AVX-512 float32 weights (and bfloat16 ones with AVX512-BF16) take the wide tile below
+// instead (wide_panels); this one serves AVX2, and bfloat16 on AVX-512 without BF16.
 // bfloat16 weights (half the bytes to read) widen exactly to float32: on load for up to 3 rows,
 // else once per panel and chunk into a buffer. Rows arrive and leave float32.
 // Thread t takes a contiguous range of panels, so each weight byte is read by one thread.
@@ -1048,117 +1050,158 @@ constexpr const char* kPanelIsa = "";
 constexpr int64_t PANEL_NR = 16;
 #endif
 
-// ---- panel_linear on bfloat16 dot products (AVX512-BF16) ------------------------------------
+// ---- panel_linear's AVX-512 tile: float32 FMAs and bfloat16 dot products ---------------------
 //
-// A bfloat16 weight on a CPU with AVX512-BF16 is packed for vdpbf16ps instead of widening: column
-// panels of DOT_NR outputs, each k-pair-major ([K/2][cols][2]: a 512-bit load holds 16 outputs'
-// weights at inputs 2j and 2j+1), the last panel [K/2][N % DOT_NR][2]. A DOT_MR-row x DOT_NR
-// register tile (24 accumulators, 3 weight vectors, one broadcast pair of x) takes 32 products
-// per instruction, twice a float32 FMA's, at half its bytes; 8 x 48 ran 5-15% ahead of 6 x 64,
-// 12 x 32 and 9 x 48 from 4 to 1024 rows (Zen 4). Why: oneDNN's bfloat16 matmul runs the 135M
-// model's 576-wide layers at 1.3-2.3x below this tile at decode row counts (1-64 rows) and level
-// from 256 rows on (AMD Zen 4, 2 cores; docs/performance.md).
-// Each product of two bfloat16 values is exact in float32 and the sums are float32 in k order
-// (vdpbf16ps flushes subnormal inputs and results to zero): F.linear in float32 up to summation
-// order, rounded once to bfloat16. K runs in blocks of DOT_KC (a block of one panel, 96 KB,
+// On AVX-512 a float32 weight, and a bfloat16 one where AVX512-BF16 exists, are packed for a
+// wider tile than panel_tile's: column panels of WIDE_NR outputs, each stored step-major
+// ([K / S][cols][S], S = the inputs one instruction takes per output: 1 for a float32 FMA, 2 for
+// vdpbf16ps, so a 512-bit load holds 16 outputs' weights for one step), the last panel
+// [K / S][N % WIDE_NR][S]. A WIDE_MR-row x WIDE_NR register tile (24 of AVX-512's 32 registers;
+// 3 weight vectors; one broadcast of the row's step) runs a K block; vdpbf16ps takes 32 products
+// per instruction, twice an FMA's, at half the bytes. 8 x 48 ran 5-15% ahead of 6 x 64, 12 x 32
+// and 9 x 48 from 4 to 1024 rows (Zen 4, bfloat16). Why: on the 135M model's fused layers (Zen 4,
+// 2 cores) oneDNN's bfloat16 matmul runs 1.1-1.3x below this tile at 1-64 rows and level at
+// 256-1460; in float32 oneDNN and panel_tile run 1.15-2x below it at 1-256 rows, level at 1460
+// (docs/performance.md).
+// Each bfloat16 product is exact in float32 and every sum is float32 in k order (vdpbf16ps also
+// flushes subnormal inputs and results to zero): F.linear in float32 up to summation order,
+// rounded once to the output's dtype. K runs in blocks of WIDE_KC (one panel's block, 96-192 KB,
 // stays in L2 while every row tile reads it), float32 partial sums kept between blocks; a row's
 // output does not depend on the rows beside it.
-// x enters as bfloat16 (a float32 x is rounded to bfloat16 first: the products are bfloat16's);
-// the output is x's dtype.
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define TINYLLM_PANEL_BF16DOT 1
-constexpr int64_t DOT_NR = 48, DOT_MR = 8, DOT_KC = 1024;
+// x enters in the weight's dtype (a bfloat16 panel rounds a float32 x to bfloat16: the products
+// are bfloat16's; a float32 panel widens a bfloat16 x exactly); the output is x's dtype.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define TINYLLM_PANEL_WIDE 1
+constexpr int64_t WIDE_NR = 48, WIDE_MR = 8, WIDE_KC = 1024;
 
-// Lanes [0, cols) of a 16-output block, as a mask over its 32 bfloat16 weights / 16 outputs.
-inline __mmask32 dot_wmask(int64_t cols) { return cols >= 16 ? ~__mmask32(0) : (__mmask32(1) << (2 * cols)) - 1; }
-inline __mmask16 dot_ymask(int64_t cols) { return cols >= 16 ? ~__mmask16(0) : (__mmask16(1) << cols) - 1; }
+template <typename W>
+constexpr int64_t wide_step() { return std::is_same_v<W, F32> ? 1 : 2; }
 
-// R rows x NB blocks of 16 outputs over k pairs [0, kpairs) of one panel block (wld: elements per
-// k pair). part holds the float32 sums between K blocks (first: start from zero; last: add bias,
+// Lanes [0, cols) of a 16-output block: as 16 float32 outputs, and as their 32 bfloat16 weights.
+inline __mmask16 wide_mask(int64_t cols) { return cols >= 16 ? ~__mmask16(0) : (__mmask16(1) << cols) - 1; }
+inline __mmask32 wide_mask2(int64_t cols) { return cols >= 16 ? ~__mmask32(0) : (__mmask32(1) << (2 * cols)) - 1; }
+
+// 16 float32 to bfloat16 bits, rounded to nearest even as BF16::st (vcvtneps2bf16 also flushes
+// subnormals to zero). Without AVX512-BF16 the integer form: it made GCC keep the tile's
+// accumulators in memory through the k loop (2.7x slower), so it is only the fallback.
+inline __m256i wide_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+// R rows x NB blocks of 16 outputs over steps [0, steps) of one panel block (wld: elements per
+// step). part holds the float32 sums between K blocks (first: start from zero; last: add bias,
 // round, store y). cols < NB * 16 only in the last panel (masked loads and stores). The first row
-// tile of a block prefetches the weights 16 pairs ahead: it streams them from memory; the others
+// tile of a block prefetches the weights 16 steps ahead: it streams them from memory; the others
 // find them in L2.
-template <int R, int NB, typename O>
-inline void dot_tile(const uint16_t* x, int64_t ldx, int64_t kpairs, const uint16_t* w, int64_t wld, int64_t cols,
-                     float* part, bool first, bool last, const float* bias, typename O::T* y, int64_t ldy, bool pf) {
+template <int R, int NB, typename W, typename O>
+inline void wide_tile(const typename W::T* x, int64_t ldx, int64_t steps, const typename W::T* w, int64_t wld,
+                      int64_t cols, float* part, bool first, bool last, const float* bias, typename O::T* y,
+                      int64_t ldy, bool pf) {
+  constexpr int64_t S = wide_step<W>();
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b)
-      acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * DOT_NR + b * 16);
+      acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * WIDE_NR + b * 16);
   const bool full = cols == NB * 16;
-  for (int64_t kp = 0; kp < kpairs; ++kp) {
-    const uint16_t* wk = w + kp * wld;
+  for (int64_t st = 0; st < steps; ++st) {
+    const typename W::T* wk = w + st * wld;
     if (pf)
-      for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * wld + b * 32), _MM_HINT_T0);
-    __m512bh wv[NB];
-    for (int b = 0; b < NB; ++b)
-      wv[b] = (__m512bh)(full ? _mm512_loadu_si512(wk + b * 32)
-                              : _mm512_maskz_loadu_epi16(dot_wmask(cols - b * 16), wk + b * 32));
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * ldx + 2 * kp, sizeof pair);
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[b], a);
+      for (int b = 0; b < NB; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * wld + b * 16 * S), _MM_HINT_T0);
+    if constexpr (S == 1) {
+      __m512 wv[NB];
+      for (int b = 0; b < NB; ++b)
+        wv[b] = full ? _mm512_loadu_ps(wk + b * 16) : _mm512_maskz_loadu_ps(wide_mask(cols - b * 16), wk + b * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * ldx + st]);
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(a, wv[b], acc[r][b]);
+      }
+    } else {
+#if defined(__AVX512BF16__)
+      __m512bh wv[NB];
+      for (int b = 0; b < NB; ++b) {
+        wv[b] = (__m512bh)(full ? _mm512_loadu_si512(wk + b * 32)
+                                : _mm512_maskz_loadu_epi16(wide_mask2(cols - b * 16), wk + b * 32));
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;  // x at inputs 2 st, 2 st + 1
+        std::memcpy(&pair, x + r * ldx + 2 * st, sizeof pair);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[b], a);
+      }
+#else
+      static_assert(S == 1, "bfloat16 steps need AVX512-BF16");
+#endif
     }
   }
   if (!last) {
     for (int r = 0; r < R; ++r)
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(part + r * DOT_NR + b * 16, acc[r][b]);
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(part + r * WIDE_NR + b * 16, acc[r][b]);
     return;
   }
   for (int b = 0; b < NB; ++b) {
-    const __mmask16 mk = dot_ymask(cols - b * 16);
+    const __mmask16 mk = wide_mask(cols - b * 16);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + b * 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const __m512 v = _mm512_add_ps(acc[r][b], bv);
       if constexpr (std::is_same_v<O, F32>)
         _mm512_mask_storeu_ps(y + r * ldy + b * 16, mk, v);
       else
-        _mm256_mask_storeu_epi16(y + r * ldy + b * 16, mk, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16(y + r * ldy + b * 16, mk, wide_bf16(v));
     }
   }
 }
 
-template <int NB, typename O>
-void dot_rows(int64_t rows, const uint16_t* x, int64_t ldx, int64_t kpairs, const uint16_t* w, int64_t wld,
-              int64_t cols, float* part, bool first, bool last, const float* bias, typename O::T* y, int64_t ldy) {
-  for (int64_t r = 0; r < rows; r += DOT_MR) {
-    const uint16_t* xr = x + r * ldx;
-    float* pr = part + r * DOT_NR;
+template <int NB, typename W, typename O>
+void wide_rows(int64_t rows, const typename W::T* x, int64_t ldx, int64_t steps, const typename W::T* w, int64_t wld,
+               int64_t cols, float* part, bool first, bool last, const float* bias, typename O::T* y, int64_t ldy) {
+  static_assert(WIDE_MR == 8, "one case per tile height");
+  for (int64_t r = 0; r < rows; r += WIDE_MR) {
+    const typename W::T* xr = x + r * ldx;
+    float* pr = part + r * WIDE_NR;
     typename O::T* yr = y + r * ldy;
     const bool pf = r == 0;
-    switch (std::min<int64_t>(DOT_MR, rows - r)) {
-      case 8: dot_tile<8, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
-      case 7: dot_tile<7, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
-      case 6: dot_tile<6, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
-      case 5: dot_tile<5, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
-      case 4: dot_tile<4, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
-      case 3: dot_tile<3, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
-      case 2: dot_tile<2, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
-      default: dot_tile<1, NB, O>(xr, ldx, kpairs, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+    switch (std::min<int64_t>(WIDE_MR, rows - r)) {
+      case 8: wide_tile<8, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 7: wide_tile<7, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 6: wide_tile<6, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 5: wide_tile<5, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 4: wide_tile<4, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 3: wide_tile<3, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      case 2: wide_tile<2, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
+      default: wide_tile<1, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
     }
   }
 }
 
 // y [M, N] (ldy = N) = x [M, K] (rows ldx apart) @ w^T (+ bias); w as panel_pack laid it out.
 // Thread t takes a contiguous range of panels: each weight byte is read from memory once.
-template <typename O>
-void dot_matmul(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint16_t* w, int64_t n,
-                const float* bias, typename O::T* y) {
-  const int64_t panels = (n + DOT_NR - 1) / DOT_NR;
+template <typename W, typename O>
+void wide_matmul(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, const typename W::T* w, int64_t n,
+                 const float* bias, typename O::T* y) {
+  constexpr int64_t S = wide_step<W>();
+  const int64_t panels = (n + WIDE_NR - 1) / WIDE_NR;
   const int64_t grain = m * k * n < (1 << 16) ? panels : 1;  // a fork costs more than a tiny product
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-    float* part = k > DOT_KC ? scratch(kDotPart, m * DOT_NR) : nullptr;
+    float* part = k > WIDE_KC ? scratch(kWidePart, m * WIDE_NR) : nullptr;
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min<int64_t>(DOT_NR, n - p * DOT_NR);
-      const float* b = bias ? bias + p * DOT_NR : nullptr;
-      for (int64_t k0 = 0; k0 < k; k0 += DOT_KC) {
-        const int64_t kl = std::min<int64_t>(DOT_KC, k - k0);
+      const int64_t cols = std::min<int64_t>(WIDE_NR, n - p * WIDE_NR);
+      const float* b = bias ? bias + p * WIDE_NR : nullptr;
+      for (int64_t k0 = 0; k0 < k; k0 += WIDE_KC) {
+        const int64_t kl = std::min<int64_t>(WIDE_KC, k - k0);
         const bool first = k0 == 0, last = k0 + kl == k;
-        const uint16_t* wb = w + p * DOT_NR * k + k0 * cols;
+        const typename W::T* wb = w + p * WIDE_NR * k + k0 * cols;
         auto run = [&](auto nb) {
-          dot_rows<decltype(nb)::value, O>(m, x + k0, ldx, kl / 2, wb, 2 * cols, cols, part, first, last, b,
-                                            y + p * DOT_NR, n);
+          wide_rows<decltype(nb)::value, W, O>(m, x + k0, ldx, kl / S, wb, S * cols, cols, part, first, last, b,
+                                                y + p * WIDE_NR, n);
         };
         switch ((cols + 15) / 16) {
           case 3: run(std::integral_constant<int, 3>{}); break;
@@ -1171,20 +1214,22 @@ void dot_matmul(const uint16_t* x, int64_t ldx, int64_t m, int64_t k, const uint
 }
 #endif
 
-// Whether panel_pack lays a weight out for dot_matmul (else float32 / bfloat16 panels for
-// panel_matmul): bfloat16, an even K, and a build with AVX512-BF16. panel_linear asks the same.
-inline bool dot_panels(const at::Tensor& w) {
-#if defined(TINYLLM_PANEL_BF16DOT)
-  return w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0;
-#else
-  return false;
+// The step panel_pack lays w out for wide_matmul: 1 (float32), 2 (bfloat16 with AVX512-BF16 and
+// an even K), or 0: panel_matmul's panels. panel_linear asks the same.
+inline int64_t wide_panels(const at::Tensor& w) {
+#if defined(TINYLLM_PANEL_WIDE)
+  if (w.scalar_type() == at::kFloat) return 1;
+#if defined(__AVX512BF16__)
+  if (w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0) return 2;
 #endif
+#endif
+  return 0;
 }
 
 // The vector width panel_linear was built for: "avx512", "avx2", or "" where it cannot run; with
 // "-bf16" where bfloat16 weights run on bfloat16 dot products.
 std::string panel_isa() {
-#if defined(TINYLLM_PANEL_BF16DOT)
+#if defined(TINYLLM_PANEL_WIDE) && defined(__AVX512BF16__)
   return std::string(kPanelIsa) + "-bf16";
 #else
   return kPanelIsa;
@@ -1197,13 +1242,13 @@ at::Tensor panel_pack(const at::Tensor& w) {
               "panel_pack: w must be float32 or bfloat16 [N, K]");
   const int64_t n = w.size(0), k = w.size(1);
   auto out = at::empty({n, k}, w.options()).view({-1});
-  if (dot_panels(w)) {  // [N / DOT_NR][K / 2][DOT_NR][2], then the last panel's [K / 2][N % DOT_NR][2]
-    const int64_t whole = n / DOT_NR, rest = n - whole * DOT_NR;
-    out.narrow(0, 0, whole * DOT_NR * k).view({whole, k / 2, DOT_NR, 2})
-        .copy_(w.narrow(0, 0, whole * DOT_NR).view({whole, DOT_NR, k / 2, 2}).permute({0, 2, 1, 3}));
+  if (const int64_t st = wide_panels(w)) {  // [N / WIDE_NR][K / st][WIDE_NR][st], the last [K / st][N % WIDE_NR][st]
+    const int64_t whole = n / WIDE_NR, rest = n - whole * WIDE_NR;
+    out.narrow(0, 0, whole * WIDE_NR * k).view({whole, k / st, WIDE_NR, st})
+        .copy_(w.narrow(0, 0, whole * WIDE_NR).view({whole, WIDE_NR, k / st, st}).permute({0, 2, 1, 3}));
     if (rest)
-      out.narrow(0, whole * DOT_NR * k, rest * k).view({k / 2, rest, 2})
-          .copy_(w.narrow(0, whole * DOT_NR, rest).view({rest, k / 2, 2}).permute({1, 0, 2}));
+      out.narrow(0, whole * WIDE_NR * k, rest * k).view({k / st, rest, st})
+          .copy_(w.narrow(0, whole * WIDE_NR, rest).view({rest, k / st, st}).permute({1, 0, 2}));
     return out.view({n, k});
   }
   const int64_t full = n / PANEL_NR;
@@ -1228,17 +1273,27 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
     b = bias->to(at::kFloat).contiguous();  // no copy for a float32 model's bias
   }
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-#if defined(TINYLLM_PANEL_BF16DOT)
-  if (dot_panels(w)) {
+#if defined(TINYLLM_PANEL_WIDE)
+  if (const int64_t st = wide_panels(w)) {
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                 "panel_linear: x must be float32 or bfloat16");
-    auto xb = x.to(at::kBFloat16);  // no copy for a bfloat16 model's rows
-    if (xb.stride(1) != 1) xb = xb.contiguous();
     auto y = at::empty({m, n}, x.options());
-    if (x.scalar_type() == at::kFloat)
-      dot_matmul<F32>(ptr<BF16>(xb), xb.stride(0), m, k, ptr<BF16>(w), n, bp, y.data_ptr<float>());
-    else
-      dot_matmul<BF16>(ptr<BF16>(xb), xb.stride(0), m, k, ptr<BF16>(w), n, bp, ptr<BF16>(y));
+    auto xw = x.to(w.scalar_type());  // no copy when x has the weight's dtype
+    if (xw.stride(1) != 1) xw = xw.contiguous();
+    auto run = [&](auto wt) {
+      using W = decltype(wt);
+      if (x.scalar_type() == at::kFloat)
+        wide_matmul<W, F32>(ptr<W>(xw), xw.stride(0), m, k, ptr<W>(w), n, bp, y.data_ptr<float>());
+      else
+        wide_matmul<W, BF16>(ptr<W>(xw), xw.stride(0), m, k, ptr<W>(w), n, bp, ptr<BF16>(y));
+    };
+#if defined(__AVX512BF16__)
+    if (st == 2) {
+      run(BF16{});
+      return y;
+    }
+#endif
+    run(F32{});
     return y;
   }
 #endif

@@ -16,16 +16,16 @@ bfloat16, which is what a bfloat16 matmul with float32 accumulation computes.
 ``panel`` (tinyllm's kernel, ``kernels/cpu_kernels.cpp``): weights stored once, in column panels
 of float32 or bfloat16, read sequentially once per step. A decode step multiplies a few rows by
 every weight and is bound by reading them; oneDNN's packed matmul streams weights at about a third
-of the memory bandwidth at 1-16 rows, this kernel most of it (measured on Zen 3, 2 cores:
-1.3-1.7x oneDNN at 1-32 rows, level at 256, 6% behind at 1024). A bfloat16 model keeps bfloat16
-panels (half the bytes of ``onednn-f32``), widened exactly to float32; on a CPU with AVX512-BF16
-they are laid out for bfloat16 dot products instead (vdpbf16ps: two exact products per float32
-lane and instruction), which run the 135M model's layers at 1.5-2.3x oneDNN's bfloat16 matmul at
-1-32 rows, 1.2x at 64 and level or ahead from 256 to 1024 (Zen 4, 2 cores). ``auto`` picks it
-where it was measured to pay: bfloat16 on AVX512-BF16 CPUs, and float32 (and bfloat16 without
-bfloat16 matmuls) on kernels built for AVX2 without AVX-512. In float32 on AVX-512 ``auto`` keeps
-oneDNN (level with the panels from 32 rows up on Zen 4, ahead at 16); ``gemm: panel`` selects it
-anywhere the kernels build with AVX2 or AVX-512.
+of the memory bandwidth at 1-16 rows, this kernel most of it. With AVX2 (measured on Zen 3, 2
+cores): 1.3-1.7x oneDNN at 1-32 rows, level at 256, 6% behind at 1024; a bfloat16 model keeps
+bfloat16 panels (half the bytes of ``onednn-f32``), widened exactly to float32. With AVX-512 an
+8-row x 48-output tile runs float32 FMAs, and with AVX512-BF16 bfloat16 dot products (vdpbf16ps:
+two exact products per float32 lane and instruction); measured on Zen 4 (2 cores, the 135M
+model's layers): float32 1.15-2x oneDNN at 1-256 rows and level at 1460, bfloat16 1.1-1.3x at
+1-64 rows and level at 256-1460. ``auto`` picks it where it was measured to pay: float32 wherever
+it runs, bfloat16 on AVX512-BF16 CPUs and on CPUs without bfloat16 matmuls (AVX2: Zen 2/3);
+elsewhere (bfloat16 on AVX-512 without BF16, where oneDNN has a bfloat16 path) ``auto`` keeps
+oneDNN; ``gemm: panel`` selects it anywhere the kernels build with AVX2 or AVX-512.
 
 Invariants:
 - ``PanelLinear(x)`` equals ``F.linear(x, weight, bias)`` computed in float32 and rounded once to
@@ -88,15 +88,12 @@ def _why_no_panel(dtype: torch.dtype, device: torch.device) -> str:
 
 
 def _panel_by_default(dtype: torch.dtype, device: torch.device) -> bool:
-    """'auto' picks the panel kernel where it was measured to pay (module docstring): bfloat16 on
-    bfloat16 dot products (an AVX512-BF16 build); an AVX2 build, for float32, and for bfloat16
-    where oneDNN has no bfloat16 matmul."""
+    """'auto' picks the panel kernel where it was measured to pay (module docstring): float32
+    wherever it runs; bfloat16 on bfloat16 dot products (an AVX512-BF16 build) and where oneDNN has
+    no bfloat16 matmul."""
     if not panel_usable(dtype, device):
         return False
-    isa = native.panel_isa()
-    if isa.endswith("-bf16"):
-        return dtype == torch.bfloat16
-    return isa == "avx2" and (dtype == torch.float32 or not onednn_usable(dtype, device))
+    return dtype == torch.float32 or native.panel_isa().endswith("-bf16") or not onednn_usable(dtype, device)
 
 
 def resolve_gemm(name: str, dtype: torch.dtype, device: torch.device) -> str:
