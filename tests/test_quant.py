@@ -20,6 +20,7 @@ from tinyllm_cli.engine.request import Request, SamplingParams
 from tinyllm_cli.model.checkpoint import load_checkpoint
 from tinyllm_cli.model.gguf_file import GGUFFile
 from tinyllm_cli.model.llama import build_model
+from tinyllm_cli import kernels
 from tinyllm_cli.model import quant
 from tinyllm_cli.model.quant import Int4Linear, Int8Embedding, Int8Rows, Q4Linear, QuantWeight, from_gguf
 from tinyllm_cli.runtime import Runtime, make_engine
@@ -180,8 +181,8 @@ def test_q4_linear_with_int8_activations_is_the_q8_round_trip_times_the_weight(q
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K], ids=lambda q: q.name)
 def test_q4_unpack_inverts_q4_pack_and_many_rows_take_it(qtype):
     """``q4_unpack`` gives back exactly the weight the kernel holds (float16 scale and min), and
-    a step of ``DEQUANT_ROWS`` rows or more (unpacked to bfloat16 on the bfloat16 dot path, the
-    4-bit kernel itself on the float32 path) agrees with the 4-bit kernel and with F.linear."""
+    a step of ``DEQUANT_ROWS`` rows or more (a ``big_step`` on the bfloat16 dot path, the 4-bit
+    kernel itself on the float32 path) agrees with the 4-bit kernel and with F.linear."""
     rows, cols = 48, 512 if qtype == QT.Q4_K else 96
     q = from_gguf(_raw(qtype, rows, cols, seed=5), qtype.name, rows, cols)
     lin = Q4Linear(q, torch.randn(rows).bfloat16())
@@ -192,6 +193,31 @@ def test_q4_unpack_inverts_q4_pack_and_many_rows_take_it(qtype):
     for got in (lin(x), torch.ops.tinyllm.q4_linear(x, lin.packed, lin.bias)):
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-2, f"{qtype.name}: max error {err:.3g} of the largest output"
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 9, 300])
+@pytest.mark.parametrize("n,k", [(48, 96), (80, 2080), (16, 64)])
+def test_q4_wide_linear_is_the_unpacked_bf16_matmul(rows, n, k):
+    """``q4_wide_linear`` (big steps without AMX): the weight decoded to bfloat16 panel block by
+    panel block, then bfloat16 products summed in float32 and rounded once: F.linear over
+    ``q4_unpack``'s bfloat16 weight, for a whole panel of 48 outputs, a panel and a partial one
+    (80), a lone block (16), and K in blocks of 1,024 (2,080: partial sums carried over). Each
+    weight may differ from q4_unpack's by one bfloat16 rounding (a fused multiply-add there)."""
+    if torch.ops.tinyllm.q4_isa() != "avx512-bf16" or not kernels.panel_isa().endswith("-bf16"):
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            torch.ops.tinyllm.q4_wide_linear(torch.zeros(1, 64).bfloat16(), torch.zeros(1, 2, 320, dtype=torch.uint8), None)
+        return
+    q = from_gguf(_raw(QT.Q4_1, n, k, seed=rows), "Q4_1", n, k)
+    lin = Q4Linear(q, torch.randn(n).bfloat16())
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).bfloat16()
+    got = torch.ops.tinyllm.q4_wide_linear(x, lin.packed, lin.bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    ref = F.linear(x.double(), quant.q4_unpack(lin.packed).double(), lin.bias.double())
+    err = ((got.double() - ref).abs() / (ref.abs() + ref.abs().mean())).max().item()
+    assert err < 2 ** -7, f"relative error {err:.3g}"
+    for r in range(0, rows, max(1, rows // 3)):  # a row's output does not depend on the others
+        assert torch.equal(torch.ops.tinyllm.q4_wide_linear(x[r:r + 1], lin.packed, lin.bias), got[r:r + 1])
 
 
 @needs_kernels
@@ -319,28 +345,30 @@ def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_
 
 @needs_kernels
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16-acts", "int8-acts"])
-def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch, int8):
+def test_big_steps_leave_the_4bit_tiles_and_agree(q4_gguf, monkeypatch, int8):
     """A step of ``DEQUANT_ROWS`` rows or more: on the bfloat16 dot path (AVX512-BF16) it leaves
-    the one-call layer kernel for the layer's modules, whose Q4Linear unpacks to bfloat16 (with
-    int8 activations only where oneDNN has AMX: elsewhere the VNNI tile is faster); on the float32
-    path (AVX2) the 4-bit kernel runs it (oneDNN has no fast bfloat16 matmul there). Either way
-    the logits agree with the dequantized model, and the path taken is the one ``q4_isa`` and
-    the CPU's flags say."""
+    the one-call layer kernel for the layer's modules, whose Q4Linear unpacks to bfloat16 for
+    oneDNN where it has AMX and runs ``q4_wide_linear`` elsewhere, in either activation mode; on
+    the float32 path (AVX2) the 4-bit kernel runs it (oneDNN has no fast bfloat16 matmul there).
+    Either way the logits agree with the dequantized model, and the path taken is the one
+    ``q4_isa`` and the CPU's flags say."""
     if not quant.q4_usable(torch.device("cpu")):
         pytest.skip("tinyllm's 4-bit kernel runs where its build has an AVX2 or AVX-512 path")
     from tinyllm_cli.machine import has_amx
-    unpacking = torch.ops.tinyllm.q4_isa() == "avx512-bf16" and (not int8 or has_amx())
+    bf16_dot = torch.ops.tinyllm.q4_isa() == "avx512-bf16"
+    expected = None if not bf16_dot else "unpack" if has_amx() else "wide"
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", int8_activations=int8)
     assert model.int8_activations == int8
     deq = load_checkpoint(str(q4_gguf), progress=False)
     ref = _logits(build_model(deq.config, deq.weights, torch.float32, "cpu"), PROMPTS)
     calls = []
-    real_unpack = quant.q4_unpack
-    monkeypatch.setattr(quant, "q4_unpack", lambda *a, **k: calls.append(1) or real_unpack(*a, **k))
+    real_unpack, real_wide = quant.q4_unpack, torch.ops.tinyllm.q4_wide_linear
+    monkeypatch.setattr(quant, "q4_unpack", lambda *a, **k: calls.append("unpack") or real_unpack(*a, **k))
+    monkeypatch.setattr(torch.ops.tinyllm, "q4_wide_linear", lambda *a: calls.append("wide") or real_wide(*a))
     monkeypatch.setattr(quant, "DEQUANT_ROWS", 8)  # the prompts' 40 rows are a big step now
     got = _logits(model, PROMPTS)
-    assert bool(calls) == unpacking, f"unpacked: {bool(calls)}, on the {torch.ops.tinyllm.q4_isa()} path"
+    assert set(calls) == ({expected} if expected else set()), f"{set(calls)} on the {torch.ops.tinyllm.q4_isa()} path"
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 0.05, f"relative logit error {rel:.3g}"
     top2 = ref.topk(2, -1).values
@@ -352,7 +380,7 @@ def test_big_steps_take_the_unpacked_path_and_agree(q4_gguf, monkeypatch, int8):
     with LLM(str(q4_gguf), quant="gguf", dtype="bfloat16", num_blocks=64, progress=False,
              quant_activations="int8" if int8 else "bfloat16") as llm:
         out = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=3, ignore_eos=True), chat=False, use_tqdm=False)
-    assert bool(calls) == unpacking and len(out[0].completions[0].token_ids) == 3
+    assert set(calls) == ({expected} if expected else set()) and len(out[0].completions[0].token_ids) == 3
 
 
 @needs_int4  # quant: gguf runs only where torch has its int4 matmul (runtime.check_quant), the fallback

@@ -32,15 +32,18 @@ What each form computes (the same math as the dequantized weights, up to stated 
   With int8 activations on AVX512-VNNI the Q8_0 output matrix quantizes its input the same way
   (``int8_q8_linear``: the int8 weight against the Q8_0 codes, integer dot products, ~5x its
   bfloat16-input kernel at 16-32 rows on Zen 4); elsewhere its input stays bfloat16.
-- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on AVX512-BF16 hosts; with
-  int8 activations on AMX hosts only: ``unpacks``): ``Q4Linear`` unpacks its weight to bfloat16
-  for that call (transient, never kept) and runs oneDNN's bfloat16 matmul.
+- Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on AVX512-BF16 hosts:
+  ``big_step``), in either activation mode: with AMX ``Q4Linear`` unpacks its weight to bfloat16
+  for that call (transient, never kept) and runs oneDNN's bfloat16 matmul; without it
+  ``q4_wide_linear`` decodes one panel block at a time to bfloat16 in cache for tinyllm's AVX-512
+  bfloat16 tile (no whole-weight copy).
   The 4-bit kernel's bf16 dot products win when few rows share each weight read (decoding); at
   many rows of a 1536 x 8960 layer they reach ~174 GFLOP/s, oneDNN's bfloat16 matmul ~2,350
   (AMX, Sapphire Rapids, measured) or ~430 (AVX512-BF16 without AMX, Zen 4: the figure of the
   round-3 issue, not measured here). Unpacking such a layer takes ~58 ms (torch ops), so the
   unpacked path wins from ~450 rows with AMX and, by that estimate, ~800 without: from
-  ``DEQUANT_ROWS`` = 1024 it wins on both (Sapphire Rapids, 1,460 rows: 78 ms against 233). That path rounds each weight to bfloat16 once more, so a prompt's
+  ``DEQUANT_ROWS`` = 1024 it wins on both (Sapphire Rapids, 1,460 rows: 78 ms against 233);
+  without AMX the wide tile now wins by more (above). Both round each weight to bfloat16 once more, so a prompt's
   prefill may differ from the 4-bit kernel's by bfloat16 rounding (the configuration is not
   token-exact anyway).
 
@@ -228,20 +231,24 @@ def q4_usable(device: torch.device) -> bool:
     return torch.device(device).type == "cpu" and native.load() and bool(torch.ops.tinyllm.q4_isa())
 
 
-# Rows from which Q4Linear unpacks to bfloat16 and uses oneDNN's matmul (see the module
-# docstring): past the break-even of AMX hosts (~450 rows) and of AVX512-BF16-only ones (~800).
+# Rows from which a step is big (see the module docstring): past the break-even of unpacking
+# on AMX hosts (~450 rows); on AVX512-BF16-only ones the wide tile passes the VNNI tile from
+# ~128-256 rows and the bfloat16 dot tile from ~32, so a prompt of this size is clearly past both.
 DEQUANT_ROWS = 1024
 
 
-def unpacks(rows: int, int8: bool = False) -> bool:
-    """Whether ``Q4Linear`` runs a step of ``rows`` rows over its weight unpacked to bfloat16:
-    from ``DEQUANT_ROWS`` rows, where the kernel's path is the bfloat16 dot product (AVX512-BF16,
-    so oneDNN has a fast bfloat16 matmul too); with ``int8`` activations only where oneDNN has
-    AMX: without it the VNNI tile outruns unpacking + oneDNN (Zen 4, the default model's layers at
-    1,460 rows: 0.87 s against 1.30). The float32 path (AVX2, AVX-512 without BF16) runs every
-    step itself: it reaches the float32 matmul's rate at many rows, and oneDNN has no bfloat16
-    matmul on those CPUs (ATen's loop, ~16 GFLOP/s on 2 Zen 3 cores)."""
-    return rows >= DEQUANT_ROWS and _bf16_dot() and (not int8 or has_amx())
+def big_step(rows: int) -> str | None:
+    """How ``Q4Linear`` runs a step of ``rows`` rows when it leaves its own 4-bit tiles: from
+    ``DEQUANT_ROWS`` rows, where the kernel's path is the bfloat16 dot product (AVX512-BF16),
+    'unpack' where oneDNN has AMX (the weight unpacked to bfloat16 for oneDNN's matmul), else
+    'wide' (``q4_wide_linear``: each panel decoded to bfloat16 in cache for the AVX-512 tile; Zen 4,
+    the default model's 4-bit layers at 1,460 rows: 410 GFLOP/s against the VNNI tile's 383 and
+    the bfloat16 dot tile's 220). Either way the rows stay bfloat16, whatever the activation mode.
+    None: the 4-bit tiles (fewer rows, or the float32 path on AVX2 / AVX-512 without BF16, which
+    reaches the float32 matmul's rate at many rows where oneDNN has no bfloat16 matmul)."""
+    if rows < DEQUANT_ROWS or not _bf16_dot():
+        return None
+    return "unpack" if has_amx() else "wide"
 
 
 @lru_cache(maxsize=None)
@@ -283,8 +290,8 @@ def int8_activations(setting: str, device: torch.device | str) -> bool:
 class Q4Linear(nn.Module):
     """``F.linear`` with a 4-bit weight in tinyllm's layout (``q4_pack``, packed once at load).
     With ``int8``, x is quantized per group of 32 (``q4_q8_linear``); else x stays bfloat16
-    (``q4_linear``). A step that ``unpacks`` runs oneDNN's bfloat16 matmul over the weight unpacked
-    for the call."""
+    (``q4_linear``). A ``big_step`` runs oneDNN's bfloat16 matmul over the weight unpacked for the
+    call (AMX), or ``q4_wide_linear``."""
 
     def __init__(self, w: QuantWeight, bias: Tensor | None, int8: bool = False):
         super().__init__()
@@ -294,8 +301,11 @@ class Q4Linear(nn.Module):
         self.int8 = int8
 
     def forward(self, x: Tensor) -> Tensor:
-        if unpacks(x.shape[0], self.int8):  # oneDNN's bfloat16 matmul wins here
+        big = big_step(x.shape[0])
+        if big == "unpack":  # oneDNN's AMX matmul wins here
             return torch.nn.functional.linear(x, q4_unpack(self.packed), self.bias)
+        if big == "wide":
+            return torch.ops.tinyllm.q4_wide_linear(x, self.packed, self.bias)
         if self.int8:
             return torch.ops.tinyllm.q4_q8_linear(x, self.packed, self.bias)
         return torch.ops.tinyllm.q4_linear(x, self.packed, self.bias)
