@@ -1061,7 +1061,7 @@ constexpr int64_t PANEL_NR = 16;
 // per instruction, twice an FMA's, at half the bytes. 8 x 48 ran 5-15% ahead of 6 x 64, 12 x 32
 // and 9 x 48 from 4 to 1024 rows (Zen 4, bfloat16). Why: on the 135M model's fused layers (Zen 4,
 // 2 cores) oneDNN's bfloat16 matmul runs 1.1-1.3x below this tile at 1-64 rows and level at
-// 256-1460; in float32 oneDNN and panel_tile run 1.15-2x below it at 1-256 rows, level at 1460
+// 256-1460; in float32 oneDNN runs 1.25-1.4x below it at 1-32 rows, 1.04-1.14x at 64-1460
 // (docs/performance.md).
 // Each bfloat16 product is exact in float32 and every sum is float32 in k order (vdpbf16ps also
 // flushes subnormal inputs and results to zero): F.linear in float32 up to summation order,

@@ -21,8 +21,8 @@ cores): 1.3-1.7x oneDNN at 1-32 rows, level at 256, 6% behind at 1024; a bfloat1
 bfloat16 panels (half the bytes of ``onednn-f32``), widened exactly to float32. With AVX-512 an
 8-row x 48-output tile runs float32 FMAs, and with AVX512-BF16 bfloat16 dot products (vdpbf16ps:
 two exact products per float32 lane and instruction); measured on Zen 4 (2 cores, the 135M
-model's layers): float32 1.15-2x oneDNN at 1-256 rows and level at 1460, bfloat16 1.1-1.3x at
-1-64 rows and level at 256-1460. ``auto`` picks it where it was measured to pay: float32 wherever
+model's fused layers): float32 1.25-1.4x oneDNN at 1-32 rows, 1.04-1.14x at 64-1460; bfloat16
+1.1-1.3x at 1-64 rows and level at 256-1460. ``auto`` picks it where it was measured to pay: float32 wherever
 it runs, bfloat16 on AVX512-BF16 CPUs and on CPUs without bfloat16 matmuls (AVX2: Zen 2/3);
 elsewhere (bfloat16 on AVX-512 without BF16, where oneDNN has a bfloat16 path) ``auto`` keeps
 oneDNN; ``gemm: panel`` selects it anywhere the kernels build with AVX2 or AVX-512.
