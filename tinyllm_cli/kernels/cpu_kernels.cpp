@@ -632,6 +632,29 @@ inline const float* float_rows(const at::Tensor& x, at::Tensor& keep) {
   return keep.data_ptr<float>();
 }
 
+// ---- register tiles of up to 8 rows ---------------------------------------------------------
+
+// Rows [r0, r1) in tiles of kTileRows: tile.template operator()<R>(r) for each tile of R rows
+// starting at row r (the last one takes the remainder), R a compile-time constant so each height
+// gets its own unrolled tile. The VNNI tiles and panel_linear's AVX-512 tile are 8 rows high.
+constexpr int64_t kTileRows = 8;
+template <typename Tile>
+inline void row_tiles(int64_t r0, int64_t r1, Tile&& tile) {
+  static_assert(kTileRows == 8, "one case per tile height");
+  for (int64_t r = r0; r < r1; r += kTileRows) {
+    switch (std::min(kTileRows, r1 - r)) {
+      case 8: tile.template operator()<8>(r); break;
+      case 7: tile.template operator()<7>(r); break;
+      case 6: tile.template operator()<6>(r); break;
+      case 5: tile.template operator()<5>(r); break;
+      case 4: tile.template operator()<4>(r); break;
+      case 3: tile.template operator()<3>(r); break;
+      case 2: tile.template operator()<2>(r); break;
+      default: tile.template operator()<1>(r); break;
+    }
+  }
+}
+
 // ---- int8 weight-only matmul for a few rows --------------------------------------------------
 
 // y[m][n] = scale[n] * sum_k x[m][k] * q[n][k] for n in [n0, n1), every row m; x is float32.
@@ -1056,7 +1079,7 @@ constexpr int64_t PANEL_NR = 16;
 // wider tile than panel_tile's: column panels of WIDE_NR outputs, each stored step-major
 // ([K / S][cols][S], S = the inputs one instruction takes per output: 1 for a float32 FMA, 2 for
 // vdpbf16ps, so a 512-bit load holds 16 outputs' weights for one step), the last panel
-// [K / S][N % WIDE_NR][S]. A WIDE_MR-row x WIDE_NR register tile (24 of AVX-512's 32 registers;
+// [K / S][N % WIDE_NR][S]. A kTileRows-row x WIDE_NR register tile (24 of AVX-512's 32 registers;
 // 3 weight vectors; one broadcast of the row's step) runs a K block; vdpbf16ps takes 32 products
 // per instruction, twice an FMA's, at half the bytes. 8 x 48 ran 5-15% ahead of 6 x 64, 12 x 32
 // and 9 x 48 from 4 to 1024 rows (Zen 4, bfloat16). Why: on the 135M model's fused layers (Zen 4,
@@ -1072,7 +1095,7 @@ constexpr int64_t PANEL_NR = 16;
 // are bfloat16's; a float32 panel widens a bfloat16 x exactly); the output is x's dtype.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define TINYLLM_PANEL_WIDE 1
-constexpr int64_t WIDE_NR = 48, WIDE_MR = 8, WIDE_KC = 1024;
+constexpr int64_t WIDE_NR = 48, WIDE_KC = 1024;  // rows per tile: kTileRows
 
 template <typename W>
 constexpr int64_t wide_step() { return std::is_same_v<W, F32> ? 1 : 2; }
@@ -1160,16 +1183,17 @@ template <int R, int NB, typename W, typename O>
   }
 }
 
+// Every row over one panel block, in tiles of up to kTileRows; the first tile prefetches.
 template <int NB, typename W, typename O>
 void wide_rows(int64_t rows, const typename W::T* x, int64_t ldx, int64_t steps, const typename W::T* w, int64_t wld,
                int64_t cols, float* part, bool first, bool last, const float* bias, typename O::T* y, int64_t ldy) {
-  static_assert(WIDE_MR == 8, "one case per tile height");
-  for (int64_t r = 0; r < rows; r += WIDE_MR) {
+  static_assert(kTileRows == 8, "one case per tile height");
+  for (int64_t r = 0; r < rows; r += kTileRows) {
     const typename W::T* xr = x + r * ldx;
     float* pr = part + r * WIDE_NR;
     typename O::T* yr = y + r * ldy;
     const bool pf = r == 0;
-    switch (std::min<int64_t>(WIDE_MR, rows - r)) {
+    switch (std::min<int64_t>(kTileRows, rows - r)) {
       case 8: wide_tile<8, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
       case 7: wide_tile<7, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
       case 6: wide_tile<6, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf); break;
@@ -1182,11 +1206,13 @@ void wide_rows(int64_t rows, const typename W::T* x, int64_t ldx, int64_t steps,
   }
 }
 
-// y [M, N] (ldy = N) = x [M, K] (rows ldx apart) @ w^T (+ bias); w as panel_pack laid it out.
-// Thread t takes a contiguous range of panels: each weight byte is read from memory once.
-template <typename W, typename O>
-void wide_matmul(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, const typename W::T* w, int64_t n,
-                 const float* bias, typename O::T* y) {
+// y [M, N] (ldy = N) = x [M, K] (rows ldx apart) @ w^T (+ bias), w given block by block:
+// block(p, k0, kl, cols) returns panel p's weights for inputs [k0, k0 + kl) in the tile's
+// step-major order (S * cols elements per step). Thread t takes a contiguous range of panels: each
+// weight byte is read from memory once.
+template <typename W, typename O, typename Block>
+void wide_blocks(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, int64_t n, const float* bias,
+                 typename O::T* y, Block&& block) {
   constexpr int64_t S = wide_step<W>();
   const int64_t panels = (n + WIDE_NR - 1) / WIDE_NR;
   const int64_t grain = m * k * n < (1 << 16) ? panels : 1;  // a fork costs more than a tiny product
@@ -1198,7 +1224,7 @@ void wide_matmul(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, cons
       for (int64_t k0 = 0; k0 < k; k0 += WIDE_KC) {
         const int64_t kl = std::min<int64_t>(WIDE_KC, k - k0);
         const bool first = k0 == 0, last = k0 + kl == k;
-        const typename W::T* wb = w + p * WIDE_NR * k + k0 * cols;
+        const typename W::T* wb = block(p, k0, kl, cols);
         auto run = [&](auto nb) {
           wide_rows<decltype(nb)::value, W, O>(m, x + k0, ldx, kl / S, wb, S * cols, cols, part, first, last, b,
                                                 y + p * WIDE_NR, n);
@@ -1210,6 +1236,15 @@ void wide_matmul(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, cons
         }
       }
     }
+  });
+}
+
+// wide_blocks over w as panel_pack laid it out.
+template <typename W, typename O>
+void wide_matmul(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, const typename W::T* w, int64_t n,
+                 const float* bias, typename O::T* y) {
+  wide_blocks<W, O>(x, ldx, m, k, n, bias, y, [&](int64_t p, int64_t k0, int64_t, int64_t cols) {
+    return w + p * WIDE_NR * k + k0 * cols;
   });
 }
 #endif
@@ -1644,9 +1679,8 @@ template <int64_t R>
 // activation byte pairs and adds each four into an int32 lane, so one register holds a row's 16
 // outputs and a group takes 8 instructions a row instead of q4_q8_tile's 32. The codes are the
 // unsigned operand, x the signed one, as vpmaddubsw has them. The int32 sums are exact, so the
-// outputs are bitwise those of q4_q8_rows_portable. With 32 registers a tile takes up to kVnniRows
+// outputs are bitwise those of q4_q8_rows_portable. With 32 registers a tile takes up to kTileRows
 // rows against one decode of the block's codes.
-constexpr int64_t kVnniRows = 8;
 template <int64_t R>
 [[gnu::noinline]] void q4_q8_tile_vnni(const int8_t* xq, const float* d, const float* dsum, int64_t k, const uint8_t* wb,
                                        const float* bias, uint16_t* y, int64_t n) {
@@ -1685,24 +1719,6 @@ template <int64_t R>
   }
 }
 
-// Rows [r0, r1) in VNNI tiles, kVnniRows at a time: tile.template operator()<R>(r) for each tile
-// of R rows starting at row r (the last one takes the remainder).
-template <typename Tile>
-void vnni_tiles(int64_t r0, int64_t r1, Tile&& tile) {
-  static_assert(kVnniRows == 8, "one case per tile height");
-  for (int64_t r = r0; r < r1; r += kVnniRows) {
-    switch (std::min(kVnniRows, r1 - r)) {
-      case 8: tile.template operator()<8>(r); break;
-      case 7: tile.template operator()<7>(r); break;
-      case 6: tile.template operator()<6>(r); break;
-      case 5: tile.template operator()<5>(r); break;
-      case 4: tile.template operator()<4>(r); break;
-      case 3: tile.template operator()<3>(r); break;
-      case 2: tile.template operator()<2>(r); break;
-      default: tile.template operator()<1>(r); break;
-    }
-  }
-}
 #endif
 
 // y [m, n] bfloat16 = x [m, k] bfloat16 @ w^T (+ bias) with x quantized per group (above).
@@ -1717,7 +1733,7 @@ void q4_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int
 #if defined(TINYLLM_Q4_VNNI)
     if (!portable) {
       for (int64_t b = b0; b < b1; ++b)
-        vnni_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
+        row_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
           q4_q8_tile_vnni<R>(xq + r * k, d + r * groups, dsum + r * groups, k, w + b * groups * Q4_BLOCK,
                              bias ? bias + b * 16 : nullptr, y + r * n + b * 16, n);
         });
@@ -1823,7 +1839,7 @@ void int8_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const int8_t* w, co
 #if defined(TINYLLM_Q4_VNNI)
     if (!portable) {
       for (int64_t b = b0; b < b1; ++b)
-        vnni_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
+        row_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
           int8_q8_tile<R>(xq + r * k, d + r * groups, sums + r * groups, k, w + b * 16 * k, scale + b * 16,
                           y + r * n + b * 16, n);
         });
@@ -1904,33 +1920,17 @@ inline void q4_decode_pairs(const uint8_t* wb, int64_t g0, int64_t g1, uint16_t*
   }
 }
 
-// y [m, n] bfloat16 = x [m, k] bfloat16 (contiguous) @ w^T (+ bias), w in q4_pack's layout.
+// y [m, n] bfloat16 = x [m, k] bfloat16 (contiguous) @ w^T (+ bias), w in q4_pack's layout: each
+// panel block decoded into the calling thread's buffer, then wide_blocks' tile over it.
 void q4_wide_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t n, const float* bias,
                     uint16_t* y) {
-  const int64_t groups = k / 32, panels = (n + WIDE_NR - 1) / WIDE_NR;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    float* part = k > WIDE_KC ? scratch(kWidePart, m * WIDE_NR) : nullptr;
-    // One K block of one panel in bfloat16 (two per float slot).
-    auto* buf = reinterpret_cast<uint16_t*>(scratch(kPanelBuf, WIDE_KC * WIDE_NR / 2));
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min<int64_t>(WIDE_NR, n - p * WIDE_NR), nb = cols / 16;
-      const float* b = bias ? bias + p * WIDE_NR : nullptr;
-      for (int64_t k0 = 0; k0 < k; k0 += WIDE_KC) {
-        const int64_t kl = std::min<int64_t>(WIDE_KC, k - k0);
-        for (int64_t blk = 0; blk < nb; ++blk)
-          q4_decode_pairs(w + (p * (WIDE_NR / 16) + blk) * groups * Q4_BLOCK, k0 / 32, (k0 + kl) / 32, buf,
-                          2 * cols, 16 * blk);
-        auto run = [&](auto nbc) {
-          wide_rows<decltype(nbc)::value, BF16, BF16>(m, x + k0, k, kl / 2, buf, 2 * cols, cols, part, k0 == 0,
-                                                      k0 + kl == k, b, y + p * WIDE_NR, n);
-        };
-        switch (nb) {
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          default: run(std::integral_constant<int, 1>{}); break;
-        }
-      }
-    }
+  const int64_t groups = k / 32;
+  wide_blocks<BF16, BF16>(x, k, m, k, n, bias, y, [&](int64_t p, int64_t k0, int64_t kl, int64_t cols) {
+    auto* buf = reinterpret_cast<uint16_t*>(scratch(kPanelBuf, WIDE_KC * WIDE_NR / 2));  // bfloat16, two per slot
+    for (int64_t blk = 0; blk < cols / 16; ++blk)
+      q4_decode_pairs(w + (p * (WIDE_NR / 16) + blk) * groups * Q4_BLOCK, k0 / 32, (k0 + kl) / 32, buf, 2 * cols,
+                      16 * blk);
+    return static_cast<const uint16_t*>(buf);
   });
 }
 #endif
