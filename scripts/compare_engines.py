@@ -69,6 +69,17 @@ sequence's first difference. llama.cpp's timed runs produce no tokens, so its to
 an untimed greedy pass over the same GGUF (compare_llamacpp_worker.py: the sdist's Python layer
 on the library built here, one prompt at a time).
 
+Where the limit is (the second table, per W1/W2 row): each engine's achieved GFLOP/s and GB/s
+and their fractions of this CPU's measured matmul peak and read bandwidth. The work is the
+workload's, the same for every engine (``tinyllm_cli.roofline.workload_work``: weight matmuls plus
+attention FLOPs, weights streamed once per forward plus K/V bytes, with tinyllm's model for the
+shape and precision: its weights as held, so an int4 row counts tinyllm's packed 4-bit bytes);
+an engine's rate = its median tok/s x the work per total token. The peak is ``tinyllm bench``'s
+(``roofline.runtime_peak``: the best of F.linear, tinyllm's packed matmul and, for int4, its
+4-bit kernel, at 256 rows on the model's hidden x FFN shape, 2 threads), measured after the
+row's rounds with every engine closed, and cached per CPU. llama.cpp's rows are batched-bench at
+the mean prompt length, so its figures are that approximation of the same work.
+
 Runs are interleaved (round robin over engines inside each repeat) and the median of ``--repeat``
 runs is reported. Engines stay loaded for a whole row when their copies of the weights fit in
 memory; otherwise (the 1.5b shape in f32) each is started and closed inside every round, start-up
@@ -654,6 +665,12 @@ class TinyEngine:
         s, tokens = self._run(prompts, output_len)
         return Run(s["elapsed_s"], total_tokens(prompts, output_len), tokens)
 
+    def facts(self) -> tuple:
+        """(runtime, weight bytes per forward, K/V element bytes): what the limit table needs of
+        this row's model (the runtime's settings stay readable after ``close``)."""
+        from tinyllm_cli.roofline import runtime_bytes
+        return (self.llm.runtime, *runtime_bytes(self.llm.runtime))
+
     def close(self) -> None:
         self.llm.close()
 
@@ -982,6 +999,8 @@ class Comparison:
         self.tokens: dict[tuple, list] = {}  # (shape, bench, dtype, engine) -> first-round token ids
         self.agreement: dict[tuple, dict] = {}  # (shape, bench, dtype, engine) -> agreement() with transformers
         self.versions: dict[str, str] = {}
+        self.runtimes: dict[tuple, tuple] = {}  # (shape, dtype) -> tinyllm's (runtime, weight bytes, K/V bytes)
+        self.limits: dict[tuple, dict] = {}  # (shape, bench, dtype) -> workload_limit()
 
     def cell(self, bench: str, dtype: str, engine: str, unit: str = "tok/s", shape: str = "135m") -> Cell:
         key = (shape, bench, dtype, engine)
@@ -1012,6 +1031,7 @@ class Comparison:
                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(self.args).items()},
                 "skipped": self.notes,
                 "agreement_vs_transformers": {"/".join(k): v for k, v in self.agreement.items()},
+                "limits": {"/".join(k): v for k, v in self.limits.items()},
                 "cells": [{"shape": c.shape, "bench": c.bench, "dtype": c.dtype, "engine": c.engine, "unit": c.unit,
                            "median": c.median, "values": c.values, "runs": c.runs, "note": c.note}
                           for c in self.cells.values()]}
@@ -1135,6 +1155,7 @@ def run_batched(cmp: Comparison, ctx: dict) -> None:
                 continue
             warm = keep_warm(hf_dir, dtype, factories, mem_available(), kv_gib(a, shape) << 30)
             run_rounds(cmp, ctx, factories, prompts, shape, dtype, warm)
+            row_limits(cmp, ctx, shape, dtype, prompts)
             llamacpp_row_tokens(cmp, ctx, shape, dtype, prompts)
             score_row(cmp, ctx, shape, dtype, prompts)
 
@@ -1153,6 +1174,8 @@ def run_rounds(cmp: Comparison, ctx: dict, factories: dict, prompts: dict, shape
                 if name not in engines:
                     log(f"starting {ENGINE_NAMES[name]} ({where}) ...")
                     engines[name] = open_engine(cmp, name, factory, where)
+                    if isinstance(engines[name], TinyEngine):
+                        cmp.runtimes.setdefault((shape, dtype), engines[name].facts())
                 eng = engines[name]
                 for b in prompts:
                     if isinstance(eng, Skip):
@@ -1173,6 +1196,38 @@ def run_rounds(cmp: Comparison, ctx: dict, factories: dict, prompts: dict, shape
                 eng.close()
         engines.clear()
         gc.collect()
+
+
+def row_limits(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict) -> None:
+    """The work per total token of each bench on this row and the CPU's peak (see the module
+    docstring), measured now that every engine of the row is closed; nothing without tinyllm's
+    model for the row."""
+    if (shape, dtype) not in cmp.runtimes:
+        return
+    from tinyllm_cli.roofline import runtime_peak, workload_work
+    rt, weight_bytes, kv_bytes = cmp.runtimes[(shape, dtype)]
+    peak = runtime_peak(rt)
+    for bench, ps in prompts.items():
+        out_len = ctx["workloads"][bench].output_len
+        w = workload_work(rt.model_cfg, [len(p) for p in ps], out_len, weight_bytes=weight_bytes,
+                          kv_elem_bytes=kv_bytes)
+        cmp.limits[(shape, bench, dtype)] = workload_limit(w, total_tokens(ps, out_len), peak)
+
+
+def workload_limit(work, tokens: int, peak: dict) -> dict:
+    """FLOPs and bytes per total token of a workload, and the peak they are held against."""
+    return {"flops_per_token": work.flops / tokens, "bytes_per_token": work.bytes / tokens,
+            "peak_gflops": peak["gemm_gflops"], "peak_path": peak["gemm"], "peak_rows": peak["gemm_rows"],
+            "bandwidth_gbps": peak["bandwidth_gbps"], "peak_cached": bool(peak.get("cached"))}
+
+
+def engine_rates(limit: dict, tok_s: float) -> dict:
+    """An engine's achieved GFLOP/s and GB/s at ``tok_s`` total tokens/s, and their fractions of
+    the peak and the bandwidth."""
+    gflops, gbps = tok_s * limit["flops_per_token"] / 1e9, tok_s * limit["bytes_per_token"] / 1e9
+    sig = lambda x: float(f"{x:.4g}")  # noqa: E731 (a tiny test model's rates are far below 0.1)
+    return {"gflops": sig(gflops), "peak_frac": sig(gflops / limit["peak_gflops"]),
+            "gbps": sig(gbps), "bw_frac": sig(gbps / limit["bandwidth_gbps"])}
 
 
 def run_one(cmp: Comparison, ctx: dict, eng, name: str, shape: str, bench: str, dtype: str, prompts, rnd: int):
@@ -1325,6 +1380,11 @@ def table_rows(cmp: Comparison) -> list[dict]:
         if (ag := cmp.agreement.get((c.shape, c.bench, c.dtype, c.engine))) is not None:
             row[f"agree {c.engine}"] = ag
     for row in rows.values():
+        if (limit := cmp.limits.get((row["shape"], row["bench"], row["dtype"]))) is not None:
+            row["limit"] = limit
+            for e in ENGINES:
+                if isinstance(row.get(e), float):
+                    row[f"rate {e}"] = engine_rates(limit, row[e])
         mine = row.get("tinyllm")
         for eng, col in RATIO_COLS:
             theirs = row.get(eng)
@@ -1355,7 +1415,31 @@ def markdown_table(cmp: Comparison, rows: list[dict]) -> str:
                  *(_fmt(r.get(c), "x") for c in ratios), *(agreement_text(r.get(f"agree {e}")) for e in agree)]
         lines.append("| " + " | ".join(cells) + " |")
     notes = skip_notes(cmp) + run_notes(cmp)
-    return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
+    lines += ([""] + [f"- {n}" for n in notes]) if notes else []
+    head, body = limit_table(rows)
+    if body:
+        lines += ["", f"Where the limit is, {cpu_label(cmp.cpu)}: achieved GFLOP/s (% of the matmul peak, % of the "
+                      "read bandwidth); the work is the workload's, the same for every engine", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines) + "\n"
+
+
+def limit_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The where-the-limit-is table (header, rows of cells) of the rows that have a limit."""
+    rows = [r for r in rows if "limit" in r]
+    engines = [e for e in ENGINES if any(f"rate {e}" in r for r in rows)]
+    head = ["shape", "bench", "dtype", "matmul peak", "bandwidth", *(ENGINE_NAMES[e] for e in engines)]
+    body = []
+    for r in rows:
+        lim = r["limit"]
+        cells = [r["shape"], r["bench"], r["dtype"], f"{lim['peak_gflops']:.0f} GFLOP/s ({lim['peak_path']})",
+                 f"{lim['bandwidth_gbps']:.1f} GB/s"]
+        for e in engines:
+            x = r.get(f"rate {e}")
+            cells.append(f"{x['gflops']:.0f} ({x['peak_frac']:.0%}, {x['bw_frac']:.0%})" if x else "-")
+        body.append(cells)
+    return head, body
 
 
 def run_notes(cmp: Comparison) -> list[str]:
@@ -1392,7 +1476,17 @@ def print_table(cmp: Comparison, rows: list[dict]) -> None:
         t.add_row(row["shape"], row["bench"], row["dtype"], row["unit"], *cells)
     notes = skip_notes(cmp) + startup_notes(cmp) + run_notes(cmp)[len(cmp.versions):]
     t.caption = "\n".join(notes + [caption(cmp)])
-    Console(stderr=True, width=240).print(t)
+    con = Console(stderr=True, width=240)
+    con.print(t)
+    head, body = limit_table(rows)
+    if body:
+        lt = Table(title=f"where the limit is · {cpu_label(cmp.cpu)} · achieved GFLOP/s (% matmul peak, % read "
+                         "bandwidth), the workload's work for every engine", header_style="bold")
+        for col in head:
+            lt.add_column(col, justify="left" if col in ("shape", "bench", "dtype") else "right")
+        for cells in body:
+            lt.add_row(*cells)
+        con.print(lt)
 
 
 def startup_notes(cmp: Comparison) -> list[str]:

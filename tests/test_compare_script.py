@@ -79,6 +79,41 @@ def test_quick_compare_tinyllm_and_transformers(llama_dir, tmp_path):
         assert f"135m/{bench}/float32/hf" not in res["agreement_vs_transformers"]  # it is the reference
         assert rows[bench]["agree tinyllm"]["exact"] == wl.num_prompts
     assert f"| 135m | W1 | float32 | tok/s |" in res["markdown"] and res["cpu_label"] in res["markdown"]
+    _check_limits(res, rows, llama_dir)
+
+
+def _flops(hf: dict, prompt_lens: list[int], out: int) -> int:
+    """A workload's FLOPs from the HF config by hand: every weight matmul (2 per multiply-add, the
+    output projection on sampled rows only) and causal attention's QK^T and P.V."""
+    h, layers, heads, kv = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    d = h // heads
+    per_layer = h * d * (heads + 2 * kv) + heads * d * h + 3 * h * hf["intermediate_size"]
+    dec = out - 1
+    tokens = sum(prompt_lens) + len(prompt_lens) * dec
+    pairs = sum(L * (L + 1) // 2 + dec * L + dec * (dec + 1) // 2 for L in prompt_lens)
+    return 2 * (layers * per_layer * tokens + h * hf["vocab_size"] * len(prompt_lens) * out) + 4 * heads * d * layers * pairs
+
+
+def _check_limits(res: dict, rows: dict, llama_dir) -> None:
+    """The where-the-limit-is table: the workload's FLOPs per token (the same for every engine),
+    each engine's rate from its median, against the peak bench measures (cached under the tests'
+    peak cache)."""
+    hf = json.loads((llama_dir / "config.json").read_text())
+    for bench, row in rows.items():
+        wl, lim = ce.QUICK[bench], row["limit"]
+        assert res["limits"][f"135m/{bench}/float32"] == lim
+        lens = [len(p) for p in ce.make_prompts(llama_dir, wl, 0)]
+        tokens = sum(lens) + len(lens) * wl.output_len
+        assert lim["flops_per_token"] == pytest.approx(_flops(hf, lens, wl.output_len) / tokens)
+        assert lim["peak_gflops"] > 0 and lim["bandwidth_gbps"] > 0 and lim["peak_rows"] == 256
+        for eng in ("tinyllm", "hf"):
+            rate = row[f"rate {eng}"]
+            gflops = row[eng] * lim["flops_per_token"] / 1e9
+            assert rate["gflops"] == pytest.approx(gflops, rel=1e-3) and rate["gflops"] > 0
+            assert rate["peak_frac"] == pytest.approx(gflops / lim["peak_gflops"], rel=1e-3)
+            assert rate["bw_frac"] == pytest.approx(row[eng] * lim["bytes_per_token"] / 1e9 / lim["bandwidth_gbps"],
+                                                    rel=1e-3)
+    assert "Where the limit is" in res["markdown"] and "| 135m | W1 | float32 |" in res["markdown"].split("limit is")[1]
 
 
 def test_bad_flag_is_one_usage_error(tmp_path):

@@ -121,6 +121,12 @@ def model_weight_bytes(model) -> int:
     return total
 
 
+def runtime_bytes(rt) -> tuple[int, int]:
+    """(weight bytes one forward reads, K/V element bytes) of a loaded runtime: its weights as
+    held (``model_weight_bytes``) and its K/V pools, which hold the model dtype."""
+    return model_weight_bytes(rt.model), torch.tensor([], dtype=rt.dtype).element_size()
+
+
 # ---- counts -> work ------------------------------------------------------------------------
 
 def work_of_counts(cfg, counts: Mapping[str, int], *, weight_bytes: int, kv_elem_bytes: int) -> Work:
@@ -263,6 +269,13 @@ def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threa
             "bandwidth_gbps": bandwidth, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     _write_cache(path, key, peak)
     return peak | {"cached": False}
+
+
+def runtime_peak(rt, refresh: bool = False) -> dict:
+    """``measure_peak`` for a runtime (loaded or closed: only its settings are read): its dtype on
+    its model's hidden -> FFN shape, with its 4-bit path (``q4_path``)."""
+    shape = (rt.model_cfg.hidden_size, rt.model_cfg.intermediate_size)
+    return measure_peak(rt.dtype, shape, refresh=refresh, q4=q4_path(rt.quant, rt.int8_activations, shape))
 
 
 def _best_seconds(fn, budget: float) -> float:

@@ -33,7 +33,7 @@ from ..errors import TinyLLMError, UsageError
 from ..io import check_prompt_file
 from ..llm import LLM
 from ..report import bench_table, stderr_console
-from ..roofline import measure_peak, model_weight_bytes, q4_path, rates, work_of_run
+from ..roofline import rates, runtime_bytes, runtime_peak, work_of_run
 from ..runtime import kv_budget
 from ..workload import check_workload, prompts_from_file, requests_for, shared_prefix_prompts
 from .common import int_list, open_llm
@@ -208,9 +208,7 @@ WORK_KEYS = ("work", "achieved_gflops", "achieved_gbps", "roofline_frac", "bandw
 def add_work(rows: list[dict], rt, peak: dict | None) -> None:
     """Put the ``WORK_KEYS`` on each in-process row: its model work (exact, from its steps'
     counts), achieved GFLOP/s and GB/s, and their fractions of ``peak`` (None without one)."""
-    import torch
-    wb = model_weight_bytes(rt.model)
-    kv = torch.tensor([], dtype=rt.dtype).element_size()  # the K/V pools hold the model dtype
+    wb, kv = runtime_bytes(rt)
     for r in rows:
         w = work_of_run(rt.model_cfg, r, weight_bytes=wb, kv_elem_bytes=kv)
         r |= {"work": w.as_dict()} | rates(w, r["elapsed_s"], peak)
@@ -260,9 +258,7 @@ def reference_points(spec: BenchSpec, cfg: Config, llm: LLM, budget: int, worklo
     refs: dict = {}
     peak = None
     if spec.roofline:
-        shape = (rt.model_cfg.hidden_size, rt.model_cfg.intermediate_size)
-        peak = measure_peak(rt.dtype, shape, refresh=spec.remeasure_peak,
-                            q4=q4_path(rt.quant, rt.int8_activations, shape))
+        peak = runtime_peak(rt, refresh=spec.remeasure_peak)
     add_work(rows, rt, peak)
     if peak is not None:
         refs["roofline"] = peak | {"roofline_tokens_per_s": tokens_at_peak(rows[0], peak)}
