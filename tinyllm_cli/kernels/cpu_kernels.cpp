@@ -173,6 +173,7 @@ inline float dot(const float* q, const typename S::T* k, int64_t dim) {
 struct Scratch {
   std::vector<float> qf, scores, acc, inv_sum;
   std::vector<int64_t> rows;  // pool element offset of each position's K/V row (the vector path)
+  std::vector<uint16_t> wb;   // bfloat16 softmax weights of a batch of heads (the bfloat16 V pass)
 };
 
 // s[p] = exp(s[p] - max s) in place; returns their sum (softmax's denominator).
@@ -330,63 +331,113 @@ struct QueryRow<BF16, DIM> {
 };
 #endif
 
-// row[d] = sum_t w[t] * V[t][d] over the rows at pool offsets ``rows``, in float32.
+// How many query heads one pass over V serves: their accumulators (DIM / kLanes registers each)
+// fill at most 24 of AVX-512's 32 registers (12 of AVX2's 16), the rest hold V and the weights.
+template <int64_t DIM>
+constexpr int kVHeads = std::max<int>(1, (kLanes == 16 ? 24 : 12) / static_cast<int>(DIM / kLanes));
+
+// out[h * DIM + d] = sum_t w[h * len + t] * V[t][d] for NH heads, in float32, over the rows at
+// pool offsets ``rows``: each V row is loaded once for all NH heads (a group's heads share it).
 template <typename S, int64_t DIM>
 struct WeightedV {
-  static void run(const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t len, float* row) {
-    VecF acc[DIM / kLanes];
-    for (int i = 0; i < DIM / kLanes; ++i) acc[i] = vzero();
+  template <int NH>
+  static void run(const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t len, float* out,
+                  Scratch&) {
+    constexpr int R = DIM / kLanes;
+    VecF acc[NH][R];
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < R; ++i) acc[h][i] = vzero();
     for (int64_t t = 0; t < len; ++t) {
       const typename S::T* v = v_pool + rows[t];
-      const VecF wt = vset1(w[t]);
-      for (int i = 0; i < DIM / kLanes; ++i) acc[i] = vfma(wt, vload(v + kLanes * i), acc[i]);
+      VecF wt[NH];
+      for (int h = 0; h < NH; ++h) wt[h] = vset1(w[h * len + t]);
+      for (int i = 0; i < R; ++i) {
+        const VecF vi = vload(v + kLanes * i);
+        for (int h = 0; h < NH; ++h) acc[h][i] = vfma(wt[h], vi, acc[h][i]);
+      }
     }
-    for (int i = 0; i < DIM / kLanes; ++i) vstore(row + kLanes * i, acc[i]);
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < R; ++i) vstore(out + h * DIM + kLanes * i, acc[h][i]);
   }
 };
 
 #if defined(__AVX512BF16__)
 // bfloat16 V: two positions per bf16 pair dot product, V rows t and t+1 interleaved element by
-// element (unpack), the two softmax weights rounded to bfloat16 as a pair (as flash-attention
-// kernels round P before the PV product; each product is then exact in float32). Half the
-// instructions of widening V and an FMA per position.
+// element (unpack, once for all NH heads), each head's two softmax weights rounded to bfloat16 as
+// a pair (as flash-attention kernels round P before the PV product; each product is then exact
+// in float32). The weights are rounded 16 at a time into ``buf.wb`` (round to nearest even, as
+// BF16::st), each head's row padded with a zero weight to an even length.
 template <int64_t DIM>
 struct WeightedV<BF16, DIM> {
-  static void run(const uint16_t* v_pool, const int64_t* rows, const float* w, int64_t len, float* row) {
+  template <int NH>
+  static void run(const uint16_t* v_pool, const int64_t* rows, const float* w, int64_t len, float* out,
+                  Scratch& buf) {
     constexpr int H = DIM / 32;  // 512-bit loads per row (32 bfloat16 each)
-    __m512 lo[H], hi[H];
-    for (int i = 0; i < H; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+    const int64_t even = (len + 1) & ~int64_t{1};
+    buf.wb.resize(NH * even + 16);
+    for (int h = 0; h < NH; ++h) {
+      uint16_t* wb = buf.wb.data() + h * even;
+      for (int64_t t = 0; t < len; t += 16) {
+        const __mmask16 m = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
+        const __m256bh r = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, w + h * len + t));
+        _mm256_mask_storeu_epi16(wb + t, m, (__m256i)r);
+      }
+      if (len < even) wb[len] = 0;
+    }
+    __m512 lo[NH][H], hi[NH][H];
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < H; ++i) lo[h][i] = hi[h][i] = _mm512_setzero_ps();
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t t = 0; t < len; t += 2) {
       const bool pair = t + 1 < len;
       const uint16_t* v0 = v_pool + rows[t];
-      const uint32_t wp = static_cast<uint32_t>(BF16::st(w[t])) | static_cast<uint32_t>(pair ? BF16::st(w[t + 1]) : 0) << 16;
-      const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(wp));
+      const uint16_t* v1 = pair ? v_pool + rows[t + 1] : nullptr;
+      __m512bh wv[NH];
+      for (int h = 0; h < NH; ++h) {
+        int32_t wp;
+        std::memcpy(&wp, buf.wb.data() + h * even + t, sizeof wp);
+        wv[h] = (__m512bh)_mm512_set1_epi32(wp);
+      }
       for (int i = 0; i < H; ++i) {
         const __m512i a = _mm512_loadu_si512(v0 + 32 * i);
-        const __m512i b = pair ? _mm512_loadu_si512(v_pool + rows[t + 1] + 32 * i) : zero;
-        lo[i] = _mm512_dpbf16_ps(lo[i], (__m512bh)_mm512_unpacklo_epi16(a, b), wv);
-        hi[i] = _mm512_dpbf16_ps(hi[i], (__m512bh)_mm512_unpackhi_epi16(a, b), wv);
+        const __m512i b = pair ? _mm512_loadu_si512(v1 + 32 * i) : zero;
+        const __m512bh ul = (__m512bh)_mm512_unpacklo_epi16(a, b), uh = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int h = 0; h < NH; ++h) {
+          lo[h][i] = _mm512_dpbf16_ps(lo[h][i], ul, wv[h]);
+          hi[h][i] = _mm512_dpbf16_ps(hi[h][i], uh, wv[h]);
+        }
       }
     }
     // unpacklo/hi work per 128-bit quarter L: lane 4L + j of lo holds element 8L + j, of hi 8L + 4 + j.
-    for (int i = 0; i < H; ++i) {
-      alignas(64) float a[16], b[16];
-      _mm512_store_ps(a, lo[i]);
-      _mm512_store_ps(b, hi[i]);
-      for (int l = 0; l < 4; ++l)
-        for (int j = 0; j < 4; ++j) {
-          row[32 * i + 8 * l + j] = a[4 * l + j];
-          row[32 * i + 8 * l + 4 + j] = b[4 * l + j];
-        }
-    }
+    for (int h = 0; h < NH; ++h)
+      for (int i = 0; i < H; ++i) {
+        alignas(64) float a[16], b[16];
+        _mm512_store_ps(a, lo[h][i]);
+        _mm512_store_ps(b, hi[h][i]);
+        float* row = out + h * DIM + 32 * i;
+        for (int l = 0; l < 4; ++l)
+          for (int j = 0; j < 4; ++j) {
+            row[8 * l + j] = a[4 * l + j];
+            row[8 * l + 4 + j] = b[4 * l + j];
+          }
+      }
   }
 };
 #endif
 
+// WeightedV for ``nh`` (1 .. kVHeads) heads, the count as a compile-time constant.
+template <typename S, int64_t DIM>
+void weighted_v(int nh, const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t len, float* out,
+                Scratch& buf) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    ((nh == I + 1 ? WeightedV<S, DIM>::template run<I + 1>(v_pool, rows, w, len, out, buf) : void()), ...);
+  }(std::make_integer_sequence<int, kVHeads<DIM>>{});
+}
+
 // attend_pair's math with the head in registers (DIM = 64 or 128): scores kLanes positions at
-// a time (QueryRow), a running weighted sum of V per query head. Float32 arithmetic in another
-// order; with AVX512-BF16, bfloat16 heads use bf16 pair dot products (QueryRow, WeightedV).
+// a time (QueryRow), then the weighted sums of V for up to kVHeads query heads per pass over V.
+// Float32 arithmetic in another order; with AVX512-BF16, bfloat16 heads use bf16 pair dot
+// products (QueryRow, WeightedV).
 // attend_pair's signature (the head size is DIM, so its run-time copy goes unused).
 template <typename S, int64_t DIM>
 void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename S::T* k_pool,
@@ -398,6 +449,7 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
   auto& scores = buf.scores;
   rows.resize(len);
   scores.resize(groups * len);
+  buf.inv_sum.resize(groups);
   for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
     const int64_t n = std::min(block_size, len - start), base = (table[j] * block_size) * row_stride + kv_head * DIM;
     for (int64_t o = 0; o < n; ++o) rows[start + o] = base + o * row_stride;
@@ -413,11 +465,14 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
       vstore(sg + p, vmul(sum_lanes(part), post));
     }
     for (; p < len; ++p) sg[p] = vsum(qr.partial(k_pool + rows[p])) * qr.post;
-    const float total = softmax_numerators(sg, len);
-    alignas(64) float row[DIM];
-    WeightedV<S, DIM>::run(v_pool, rows.data(), sg, len, row);
-    const float inv = 1.0f / total;
-    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = S::st(row[d] * inv);
+    buf.inv_sum[g] = 1.0f / softmax_numerators(sg, len);
+  }
+  for (int64_t g0 = 0; g0 < groups; g0 += kVHeads<DIM>) {
+    const int nh = static_cast<int>(std::min<int64_t>(kVHeads<DIM>, groups - g0));
+    alignas(64) float row[kVHeads<DIM> * DIM];
+    weighted_v<S, DIM>(nh, v_pool, rows.data(), scores.data() + g0 * len, len, row, buf);
+    for (int h = 0; h < nh; ++h)
+      for (int64_t d = 0; d < DIM; ++d) out[(g0 + h) * DIM + d] = S::st(row[h * DIM + d] * buf.inv_sum[g0 + h]);
   }
 }
 #endif
