@@ -545,3 +545,26 @@ def test_bf16_engine_on_the_kernels_matches_a_pytorch_recompute(tiny_bf16, kind)
         assert len(worst) == sum(len(o.token_ids) for o in outs) > 50
     finally:
         use_native_ops(tiny_bf16, True)
+
+
+@needs_kernels
+def test_argmax_is_torch_argmax_with_ties_nans_and_infinities():
+    """The greedy sampler's argmax kernel against torch.argmax: row lengths around the 16-lane
+    vector loop and its tail, ties (the first index wins, across and within lanes), NaN (the
+    first NaN wins), rows of -inf, and rows strided inside a wider tensor."""
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 5, 16, 31, 32, 33, 47, 100, 49152):
+        x = torch.randn(7, n, generator=g)
+        x[1] = 0.0  # all tied: index 0
+        x[2, n // 2:] = x[2].max() + 1  # a tie at the maximum from the middle on
+        x[3] = float("-inf")
+        x[4, n - 1] = float("nan")
+        x[5, (n * 2) // 3] = float("nan")
+        x[5, n - 1] = float("nan")
+        x[6] = torch.randint(0, 3, (n,), generator=g).float()  # many ties, spread over lanes
+        assert torch.equal(kernels.argmax(x), x.argmax(-1)), n
+        wide = torch.randn(7, n + 9, generator=g)
+        assert torch.equal(kernels.argmax(wide[:, 3:3 + n]), wide[:, 3:3 + n].argmax(-1)), n
+    for r in (0, 1, 64):
+        x = torch.randn(r, 1000, generator=g)
+        assert torch.equal(kernels.argmax(x), x.argmax(-1))

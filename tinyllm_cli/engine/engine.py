@@ -392,7 +392,7 @@ class LLMEngine(Engine):
         ptable = None
         if scoring.rows:
             ptable = sampler.logprob_table(logits[n:n + ns], to_device(scoring.targets, logits.device), pk)
-        argmax = logits[n + ns:].argmax(-1) if n_verify else None
+        argmax = sampler.greedy(logits[n + ns:]) if n_verify else None
         if table is None and ptable is None:
             if argmax is None:
                 return (tokens.tolist() if n else []), [None] * n, []

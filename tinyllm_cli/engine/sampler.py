@@ -18,9 +18,12 @@ Invariants:
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import Tensor
 
+from .. import kernels as native
 from ..transfer import to_device
 from .request import Sequence
 
@@ -113,11 +116,27 @@ def draw(probs: Tensor, ids: Tensor | None, seqs: list[Sequence], vocab: int) ->
     return ids.gather(-1, best)[:, 0]
 
 
+def greedy(logits: Tensor) -> Tensor:
+    """``logits.argmax(-1)`` of [B, V] logits, the same indices (the first maximum; a NaN is the
+    maximum). Float32 logits on the CPU take tinyllm's vectorized kernel: torch's argmax reads
+    ~2.4 floats a nanosecond there, 0.66 ms of a 32-row decode step's ~30 at a 49k vocabulary."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(-1) == 1 and logits.shape[-1] > 0 and _native()):
+        return native.argmax(logits)
+    return logits.argmax(-1)
+
+
+@cache
+def _native() -> bool:
+    """Whether the kernels loaded (asked once: a failed load is not retried every step)."""
+    return native.load()
+
+
 def sample(logits: Tensor, seqs: list[Sequence]) -> Tensor:
     """logits [B, V] float32 for ``seqs`` (same order) -> token ids [B] (on device). Sampled rows
     go in two groups, so rows that rank tokens never force a sort on rows that do not."""
     apply_repetition_penalty(logits, seqs)
-    tokens = logits.argmax(-1)
+    tokens = greedy(logits)
     sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
     for ranked in (False, True):
         rows = [i for i in sampled if _ranks_tokens(seqs[i].request.params, logits.shape[-1]) == ranked]

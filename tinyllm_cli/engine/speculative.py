@@ -36,6 +36,7 @@ from ..cache.kv import PagedKVCache
 from ..model.llama import LlamaModel
 from ..transfer import to_device
 from .request import Sequence, Status
+from .sampler import greedy
 
 
 def can_speculate(s: Sequence) -> bool:
@@ -146,14 +147,14 @@ class ModelDrafter:
             rows.append(len(ids) - 1)
             chunks.append((s.seq_id, start, n - start))
         attn = cache.plan_step([], chunks)
-        tok = self.model(to_device(ids, dev), to_device(pos, dev), attn, to_device(rows, dev)).argmax(-1)
+        tok = greedy(self.model(to_device(ids, dev), to_device(pos, dev), attn, to_device(rows, dev)))
         steps = [tok]
         for j in range(1, caps[0]):
             m = sum(c > j for c in caps)
             sids = [s.seq_id for s in seqs[:m]]
             pos = [s.num_tokens + j - 1 for s in seqs[:m]]
             attn = cache.plan_step(sids, [])
-            tok = self.model(tok[:m], to_device(pos, dev), attn).argmax(-1)
+            tok = greedy(self.model(tok[:m], to_device(pos, dev), attn))
             steps.append(tok)
         return steps
 

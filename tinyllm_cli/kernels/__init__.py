@@ -341,6 +341,12 @@ def panel_linear(x, w, bias=None):
     return torch.ops.tinyllm.panel_linear(x, w, bias)
 
 
+def argmax(x):
+    """x [R, N] float32 with contiguous rows -> [R] int64: ``torch.argmax(x, -1)`` (first index of
+    the maximum; a NaN is the maximum), vectorized and split over threads."""
+    return torch.ops.tinyllm.argmax(x)
+
+
 def rope_(x, cos, sin_signed):
     """Rotate x [T, heads, D] in place (``model.llama.apply_rope``'s math)."""
     return torch.ops.tinyllm.rope_(x, cos, sin_signed)
