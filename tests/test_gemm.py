@@ -27,8 +27,7 @@ needs_panel = pytest.mark.skipif(not panel_usable(torch.float32, CPU),
 def auto_gemm(dtype: torch.dtype) -> str:
     """What 'auto' must resolve to here, from the rule in gemm.py's docstring."""
     onednn = gemm_module.onednn_usable  # looked up at call time: the no_bf16_onednn fixture replaces it
-    if panel_usable(dtype, CPU) and (dtype == torch.float32 or kernels.panel_isa().endswith("-bf16")
-                                     or not onednn(dtype, CPU)):
+    if panel_usable(dtype, CPU):
         return "panel"
     if onednn(dtype, CPU):
         return "onednn"
@@ -169,11 +168,12 @@ def test_panel_linear_takes_strided_and_batched_rows():
 @pytest.mark.parametrize("n,k", [(200, 96), (136, 2100), (40, 95)])
 def test_bf16_panels_are_a_bf16_matmul_with_fp32_accumulation(rows, n, k):
     """bfloat16 weights stay bfloat16 in the panels (half the bytes of onednn-f32): bfloat16 in
-    and out, the exact float32 products summed in float32 and rounded once. Without AVX512-BF16
-    they widen (up to 3 rows read the bfloat16 panels directly, more widen each panel once into a
-    buffer); with it they are bfloat16 dot products in row tiles of up to 8 (1-300 rows: tiles of
-    1, 3, 4, 7 and 8), over K blocks of 1024 (K 2100: partial sums carried between blocks), the last panel
-    narrower than a vector (N 200, 136, 40); an odd K keeps the widening panels."""
+    and out, the exact float32 products summed in float32 and rounded once. With AVX-512 they run
+    in row tiles of up to 8 (1-300 rows: tiles of 1, 3, 4, 7 and 8), as bfloat16 dot products
+    (AVX512-BF16) or widened pair by pair into float32 FMAs (without it), over K blocks of 1024
+    (K 2100: partial sums carried between blocks), the last panel narrower than a vector (N 200,
+    136, 40); an odd K, and AVX2, keep the narrow widening panels (up to 3 rows read the bfloat16
+    panels directly, more widen each panel once into a buffer)."""
     g = torch.Generator().manual_seed(rows)
     w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()

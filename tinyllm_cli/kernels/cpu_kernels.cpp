@@ -1210,10 +1210,10 @@ constexpr int64_t PANEL_NR = 16;
 
 // ---- panel_linear's AVX-512 tile: float32 FMAs and bfloat16 dot products ---------------------
 //
-// On AVX-512 a float32 weight, and a bfloat16 one where AVX512-BF16 exists, are packed for a
-// wider tile than panel_tile's: column panels of WIDE_NR outputs, each stored step-major
+// On AVX-512 a float32 weight, and a bfloat16 one with an even K, are packed for a wider tile
+// than panel_tile's: column panels of WIDE_NR outputs, each stored step-major
 // ([K / S][cols][S], S = the inputs one instruction takes per output: 1 for a float32 FMA, 2 for
-// vdpbf16ps, so a 512-bit load holds 16 outputs' weights for one step), the last panel
+// vdpbf16ps or a widened pair, so a 512-bit load holds 16 outputs' weights for one step), the last panel
 // [K / S][N % WIDE_NR][S]. A kTileRows-row x WIDE_NR register tile (24 of AVX-512's 32 registers;
 // 3 weight vectors; one broadcast of the row's step) runs a K block; vdpbf16ps takes 32 products
 // per instruction, twice an FMA's, at half the bytes. 8 x 48 ran 5-15% ahead of 6 x 64, 12 x 32
@@ -1226,8 +1226,9 @@ constexpr int64_t PANEL_NR = 16;
 // rounded once to the output's dtype. K runs in blocks of WIDE_KC (one panel's block, 96-192 KB,
 // stays in L2 while every row tile reads it), float32 partial sums kept between blocks; a row's
 // output does not depend on the rows beside it.
-// x enters in the weight's dtype (a bfloat16 panel rounds a float32 x to bfloat16: the products
-// are bfloat16's; a float32 panel widens a bfloat16 x exactly); the output is x's dtype.
+// x enters in the dtype the tile multiplies: the weight's (on vdpbf16ps a bfloat16 panel rounds a
+// float32 x to bfloat16: the products are bfloat16's; a float32 panel widens a bfloat16 x
+// exactly), float32 for widened bfloat16 panels (x as given); the output is x's dtype.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define TINYLLM_PANEL_WIDE 1
 constexpr int64_t WIDE_NR = 48, WIDE_KC = 1024;  // rows per tile: kTileRows
@@ -1235,13 +1236,28 @@ constexpr int64_t WIDE_NR = 48, WIDE_KC = 1024;  // rows per tile: kTileRows
 template <typename W>
 constexpr int64_t wide_step() { return std::is_same_v<W, F32> ? 1 : 2; }
 
+// The rows' element type for weights W: W's own, except bfloat16 panels without AVX512-BF16,
+// whose rows are float32 (panel_linear widens them once per call, exactly): there each 512-bit
+// load of weight pairs becomes two float32 vectors (the even step's weights shifted up, the odd
+// step's masked: one instruction each) and the row's two inputs are broadcast into FMAs.
+template <typename W>
+struct WideX {
+  using T = typename W::T;
+};
+#if !defined(__AVX512BF16__)
+template <>
+struct WideX<BF16> {
+  using T = float;
+};
+#endif
+
 // Lanes [0, cols) of a 16-output block: as 16 float32 outputs, and as their 32 bfloat16 weights.
 inline __mmask16 wide_mask(int64_t cols) { return cols >= 16 ? ~__mmask16(0) : (__mmask16(1) << cols) - 1; }
 inline __mmask32 wide_mask2(int64_t cols) { return cols >= 16 ? ~__mmask32(0) : (__mmask32(1) << (2 * cols)) - 1; }
 
 // 16 float32 to bfloat16 bits, rounded to nearest even as BF16::st (vcvtneps2bf16 also flushes
-// subnormals to zero). Without AVX512-BF16 the integer form: it made GCC keep the tile's
-// accumulators in memory through the k loop (2.7x slower), so it is only the fallback.
+// subnormals to zero). Without AVX512-BF16 the integer form, which a tile calls out of line
+// (wide_store_bf16).
 inline __m256i wide_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
@@ -1254,13 +1270,26 @@ inline __m256i wide_bf16(__m512 v) {
 #endif
 }
 
+#if !defined(__AVX512BF16__)
+// rows x cols float32 (rows ld apart) -> bfloat16 y (rows ldy apart), rounded as wide_bf16. Out of
+// line: inlined into a tile, the rounding's constants made GCC keep the accumulators in memory
+// through the whole k loop (one store per accumulator and step pair).
+[[gnu::noinline]] void wide_store_bf16(const float* v, int64_t ld, int rows, int64_t cols, uint16_t* y, int64_t ldy) {
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 mk = wide_mask(cols - c);
+    for (int r = 0; r < rows; ++r)
+      _mm256_mask_storeu_epi16(y + r * ldy + c, mk, wide_bf16(_mm512_loadu_ps(v + r * ld + c)));
+  }
+}
+#endif
+
 // R rows x NB blocks of 16 outputs over steps [0, steps) of one panel block (wld: elements per
 // step). part holds the float32 sums between K blocks (first: start from zero; last: add bias,
 // round, store y). cols < NB * 16 only in the last panel (masked loads and stores). The first row
 // tile of a block prefetches the weights 16 steps ahead: it streams them from memory; the others
 // find them in L2.
 template <int R, int NB, typename W, typename O>
-[[gnu::always_inline]] inline void wide_tile(const typename W::T* x, int64_t ldx, int64_t steps, const typename W::T* w, int64_t wld,
+[[gnu::always_inline]] inline void wide_tile(const typename WideX<W>::T* x, int64_t ldx, int64_t steps, const typename W::T* w, int64_t wld,
                       int64_t cols, float* part, bool first, bool last, const float* bias, typename O::T* y,
                       int64_t ldy, bool pf) {
   constexpr int64_t S = wide_step<W>();
@@ -1269,6 +1298,14 @@ template <int R, int NB, typename W, typename O>
     for (int b = 0; b < NB; ++b)
       acc[r][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * WIDE_NR + b * 16);
   const bool full = cols == NB * 16;
+#if !defined(__AVX512BF16__)
+  __mmask16 pair_mask[NB];  // the block's whole pairs (one per 32-bit lane)
+  __mmask32 odd_mask[NB];   // their odd halves
+  for (int b = 0; b < NB; ++b) {
+    pair_mask[b] = wide_mask(cols - b * 16);
+    odd_mask[b] = wide_mask2(cols - b * 16) & 0xAAAAAAAAu;
+  }
+#endif
   for (int64_t st = 0; st < steps; ++st) {
     const typename W::T* wk = w + st * wld;
     if (pf)
@@ -1296,7 +1333,22 @@ template <int R, int NB, typename W, typename O>
         for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv[b], a);
       }
 #else
-      static_assert(S == 1, "bfloat16 steps need AVX512-BF16");
+      // Two float32 passes over the step's weight pairs, even input then odd (each accumulator
+      // still sums in k order). Each pass loads the pairs (the second from L1): the even weights
+      // shifted up, the odd ones by a load that zeroes the low halves, so only 3 weight vectors
+      // are live beside the 24 accumulators. The masks are made once, before the loop.
+      __m512 wv[NB];
+      for (int b = 0; b < NB; ++b)
+        wv[b] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_loadu_epi32(pair_mask[b], wk + b * 32), 16));
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * ldx + 2 * st]);
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(a, wv[b], acc[r][b]);
+      }
+      for (int b = 0; b < NB; ++b) wv[b] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(odd_mask[b], wk + b * 32));
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * ldx + 2 * st + 1]);
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(a, wv[b], acc[r][b]);
+      }
 #endif
     }
   }
@@ -1305,6 +1357,17 @@ template <int R, int NB, typename W, typename O>
       for (int b = 0; b < NB; ++b) _mm512_storeu_ps(part + r * WIDE_NR + b * 16, acc[r][b]);
     return;
   }
+#if !defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<O, BF16>) {  // rounded out of line: see wide_bf16
+    alignas(64) float out[R][NB * 16];
+    for (int b = 0; b < NB; ++b) {
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(wide_mask(cols - b * 16), bias + b * 16) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) _mm512_store_ps(&out[r][b * 16], _mm512_add_ps(acc[r][b], bv));
+    }
+    wide_store_bf16(&out[0][0], NB * 16, R, cols, y, ldy);
+    return;
+  }
+#endif
   for (int b = 0; b < NB; ++b) {
     const __mmask16 mk = wide_mask(cols - b * 16);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + b * 16) : _mm512_setzero_ps();
@@ -1320,11 +1383,11 @@ template <int R, int NB, typename W, typename O>
 
 // Every row over one panel block, in tiles of up to kTileRows; the first tile prefetches.
 template <int NB, typename W, typename O>
-void wide_rows(int64_t rows, const typename W::T* x, int64_t ldx, int64_t steps, const typename W::T* w, int64_t wld,
+void wide_rows(int64_t rows, const typename WideX<W>::T* x, int64_t ldx, int64_t steps, const typename W::T* w, int64_t wld,
                int64_t cols, float* part, bool first, bool last, const float* bias, typename O::T* y, int64_t ldy) {
   static_assert(kTileRows == 8, "one case per tile height");
   for (int64_t r = 0; r < rows; r += kTileRows) {
-    const typename W::T* xr = x + r * ldx;
+    const typename WideX<W>::T* xr = x + r * ldx;
     float* pr = part + r * WIDE_NR;
     typename O::T* yr = y + r * ldy;
     const bool pf = r == 0;
@@ -1346,7 +1409,7 @@ void wide_rows(int64_t rows, const typename W::T* x, int64_t ldx, int64_t steps,
 // step-major order (S * cols elements per step). Thread t takes a contiguous range of panels: each
 // weight byte is read from memory once.
 template <typename W, typename O, typename Block>
-void wide_blocks(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, int64_t n, const float* bias,
+void wide_blocks(const typename WideX<W>::T* x, int64_t ldx, int64_t m, int64_t k, int64_t n, const float* bias,
                  typename O::T* y, Block&& block) {
   constexpr int64_t S = wide_step<W>();
   const int64_t panels = (n + WIDE_NR - 1) / WIDE_NR;
@@ -1376,7 +1439,7 @@ void wide_blocks(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, int6
 
 // wide_blocks over w as panel_pack laid it out.
 template <typename W, typename O>
-void wide_matmul(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, const typename W::T* w, int64_t n,
+void wide_matmul(const typename WideX<W>::T* x, int64_t ldx, int64_t m, int64_t k, const typename W::T* w, int64_t n,
                  const float* bias, typename O::T* y) {
   wide_blocks<W, O>(x, ldx, m, k, n, bias, y, [&](int64_t p, int64_t k0, int64_t, int64_t cols) {
     return w + p * WIDE_NR * k + k0 * cols;
@@ -1384,14 +1447,12 @@ void wide_matmul(const typename W::T* x, int64_t ldx, int64_t m, int64_t k, cons
 }
 #endif
 
-// The step panel_pack lays w out for wide_matmul: 1 (float32), 2 (bfloat16 with AVX512-BF16 and
-// an even K), or 0: panel_matmul's panels. panel_linear asks the same.
+// The step panel_pack lays w out for wide_matmul: 1 (float32), 2 (bfloat16 with an even K), or 0:
+// panel_matmul's panels. panel_linear asks the same.
 inline int64_t wide_panels(const at::Tensor& w) {
 #if defined(TINYLLM_PANEL_WIDE)
   if (w.scalar_type() == at::kFloat) return 1;
-#if defined(__AVX512BF16__)
   if (w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0) return 2;
-#endif
 #endif
   return 0;
 }
@@ -1448,22 +1509,22 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
     TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                 "panel_linear: x must be float32 or bfloat16");
     auto y = at::empty({m, n}, x.options());
-    auto xw = x.to(w.scalar_type());  // no copy when x has the weight's dtype
+    constexpr bool widen = std::is_same_v<WideX<BF16>::T, float>;  // bfloat16 panels, float32 rows
+    auto xw = x.to(st == 2 && widen ? at::kFloat : w.scalar_type());  // no copy when x has that dtype
     if (xw.stride(1) != 1) xw = xw.contiguous();
     auto run = [&](auto wt) {
       using W = decltype(wt);
+      using X = typename WideX<W>::T;
+      const X* xp = reinterpret_cast<const X*>(xw.data_ptr());
       if (x.scalar_type() == at::kFloat)
-        wide_matmul<W, F32>(ptr<W>(xw), xw.stride(0), m, k, ptr<W>(w), n, bp, y.data_ptr<float>());
+        wide_matmul<W, F32>(xp, xw.stride(0), m, k, ptr<W>(w), n, bp, y.data_ptr<float>());
       else
-        wide_matmul<W, BF16>(ptr<W>(xw), xw.stride(0), m, k, ptr<W>(w), n, bp, ptr<BF16>(y));
+        wide_matmul<W, BF16>(xp, xw.stride(0), m, k, ptr<W>(w), n, bp, ptr<BF16>(y));
     };
-#if defined(__AVX512BF16__)
-    if (st == 2) {
+    if (st == 2)
       run(BF16{});
-      return y;
-    }
-#endif
-    run(F32{});
+    else
+      run(F32{});
     return y;
   }
 #endif

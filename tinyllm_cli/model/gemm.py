@@ -19,13 +19,14 @@ every weight and is bound by reading them; oneDNN's packed matmul streams weight
 of the memory bandwidth at 1-16 rows, this kernel most of it. With AVX2 (measured on Zen 3, 2
 cores): 1.3-1.7x oneDNN at 1-32 rows, level at 256, 6% behind at 1024; a bfloat16 model keeps
 bfloat16 panels (half the bytes of ``onednn-f32``), widened exactly to float32. With AVX-512 an
-8-row x 48-output tile runs float32 FMAs, and with AVX512-BF16 bfloat16 dot products (vdpbf16ps:
-two exact products per float32 lane and instruction); measured on Zen 4 (2 cores, the 135M
-model's fused layers): float32 1.25-1.4x oneDNN at 1-32 rows, 1.04-1.14x at 64-1460; bfloat16
-1.1-1.3x at 1-64 rows and level at 256-1460. ``auto`` picks it where it was measured to pay: float32 wherever
-it runs, bfloat16 on AVX512-BF16 CPUs and on CPUs without bfloat16 matmuls (AVX2: Zen 2/3);
-elsewhere (bfloat16 on AVX-512 without BF16, where oneDNN has a bfloat16 path) ``auto`` keeps
-oneDNN; ``gemm: panel`` selects it anywhere the kernels build with AVX2 or AVX-512.
+8-row x 48-output tile runs float32 FMAs, and bfloat16 weights in it run on AVX512-BF16's dot
+products (vdpbf16ps: two exact products per float32 lane and instruction) or, without them, as
+pairs widened to float32 in registers (one instruction per 16 weights) into the same FMAs.
+Measured on Zen 4 (2 cores, the 135M model's fused layers): float32 1.25-1.4x oneDNN at 1-32
+rows, 1.04-1.14x at 64-1460; bfloat16 1.1-1.3x at 1-64 rows and level at 256-1460. On Ice Lake
+(AVX-512 without BF16, 2 cores, the 135M model's 30 layers): oneDNN's bfloat16 matmul runs 9-48
+GFLOP/s at 1-256 rows, below its own float32, and the widening tile 12-149, 3-4x it. So ``auto``
+picks the panel kernel wherever it runs; ``gemm: onednn`` (or ``torch``) still selects the others.
 
 Invariants:
 - ``PanelLinear(x)`` equals ``F.linear(x, weight, bias)`` computed in float32 and rounded once to
@@ -87,22 +88,13 @@ def _why_no_panel(dtype: torch.dtype, device: torch.device) -> str:
     return "tinyllm's CPU kernels were built for a CPU without AVX2 or AVX-512"
 
 
-def _panel_by_default(dtype: torch.dtype, device: torch.device) -> bool:
-    """'auto' picks the panel kernel where it was measured to pay (module docstring): float32
-    wherever it runs; bfloat16 on bfloat16 dot products (an AVX512-BF16 build) and where oneDNN has
-    no bfloat16 matmul."""
-    if not panel_usable(dtype, device):
-        return False
-    return dtype == torch.float32 or native.panel_isa().endswith("-bf16") or not onednn_usable(dtype, device)
-
-
 def resolve_gemm(name: str, dtype: torch.dtype, device: torch.device) -> str:
-    """'auto' -> 'panel' where it pays, else 'onednn' where usable; for bfloat16 where only float32
+    """'auto' -> 'panel' wherever it runs, else 'onednn' where usable; for bfloat16 where only float32
     oneDNN runs, 'onednn-f32' (module docstring); else 'torch'. An explicit 'onednn' or 'panel' that
     cannot run is an error."""
     if name == "torch":
         return "torch"
-    if name == "panel" or (name == "auto" and _panel_by_default(dtype, device)):
+    if name == "panel" or (name == "auto" and panel_usable(dtype, device)):
         if panel_usable(dtype, device):
             return "panel"
         raise ValueError(f"gemm 'panel' cannot run here: {_why_no_panel(dtype, device)}")
