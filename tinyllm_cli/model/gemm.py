@@ -24,8 +24,8 @@ products (vdpbf16ps: two exact products per float32 lane and instruction) or, wi
 pairs widened to float32 in registers (one instruction per 16 weights) into the same FMAs.
 Measured on Zen 4 (2 cores, the 135M model's fused layers): float32 1.25-1.4x oneDNN at 1-32
 rows, 1.04-1.14x at 64-1460; bfloat16 1.1-1.3x at 1-64 rows and level at 256-1460. On Ice Lake
-(AVX-512 without BF16, 2 cores, the 135M model's 30 layers): oneDNN's bfloat16 matmul runs 9-48
-GFLOP/s at 1-256 rows, below its own float32, and the widening tile 12-149, 3-4x it. So ``auto``
+(AVX-512 without BF16, 2 cores, the 135M model's 30 layers): oneDNN's bfloat16 matmul runs 8-56
+GFLOP/s at 1-256 rows, below its own float32, and the widening tile 14-175, 3-4x it. So ``auto``
 picks the panel kernel wherever it runs; ``gemm: onednn`` (or ``torch``) still selects the others.
 
 Invariants:
