@@ -1473,6 +1473,7 @@ at::Tensor panel_pack(const at::Tensor& w) {
               "panel_pack: w must be float32 or bfloat16 [N, K]");
   const int64_t n = w.size(0), k = w.size(1);
   auto out = at::empty({n, k}, w.options()).view({-1});
+#if defined(TINYLLM_PANEL_WIDE)
   if (const int64_t st = wide_panels(w)) {  // [N / WIDE_NR][K / st][WIDE_NR][st], the last [K / st][N % WIDE_NR][st]
     const int64_t whole = n / WIDE_NR, rest = n - whole * WIDE_NR;
     out.narrow(0, 0, whole * WIDE_NR * k).view({whole, k / st, WIDE_NR, st})
@@ -1482,6 +1483,7 @@ at::Tensor panel_pack(const at::Tensor& w) {
           .copy_(w.narrow(0, whole * WIDE_NR, rest).view({rest, k / st, st}).permute({1, 0, 2}));
     return out.view({n, k});
   }
+#endif
   const int64_t full = n / PANEL_NR;
   auto panels = w.narrow(0, 0, full * PANEL_NR).view({full, PANEL_NR, k}).transpose(1, 2);
   out.narrow(0, 0, full * PANEL_NR * k).view({full, k, PANEL_NR}).copy_(panels);
