@@ -18,8 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 from torch import Tensor
 
@@ -121,15 +119,9 @@ def greedy(logits: Tensor) -> Tensor:
     maximum). Float32 logits on the CPU take tinyllm's vectorized kernel: torch's argmax reads
     ~2.4 floats a nanosecond there, 0.66 ms of a 32-row decode step's ~30 at a 49k vocabulary."""
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.stride(-1) == 1 and logits.shape[-1] > 0 and _native()):
+            and logits.stride(-1) == 1 and logits.shape[-1] > 0 and native.load()):
         return native.argmax(logits)
     return logits.argmax(-1)
-
-
-@cache
-def _native() -> bool:
-    """Whether the kernels loaded (asked once: a failed load is not retried every step)."""
-    return native.load()
 
 
 def sample(logits: Tensor, seqs: list[Sequence]) -> Tensor:

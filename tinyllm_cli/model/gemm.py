@@ -94,9 +94,9 @@ def resolve_gemm(name: str, dtype: torch.dtype, device: torch.device) -> str:
     cannot run is an error."""
     if name == "torch":
         return "torch"
-    if name == "panel" or (name == "auto" and panel_usable(dtype, device)):
-        if panel_usable(dtype, device):
-            return "panel"
+    if name in ("panel", "auto") and panel_usable(dtype, device):
+        return "panel"
+    if name == "panel":
         raise ValueError(f"gemm 'panel' cannot run here: {_why_no_panel(dtype, device)}")
     if onednn_usable(dtype, device):
         return "onednn"
