@@ -163,6 +163,9 @@ def test_q4_linear_with_int8_activations_is_the_q8_round_trip_times_the_weight(q
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 17, 40, 100):
         x = torch.randn(m, cols, generator=gen).bfloat16()
         x[0, :7] *= 30  # an outlier channel, as real activations have: its group's step grows
+        if m > 2:  # an all-zero group, and halves that round to even (step 1: max |x| = 127)
+            x[1, 32:64] = 0
+            x[2, 32:64] = torch.tensor([127.0] + [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] * 4 + [-127.0, 3.5, -3.5])
         got = lin(x)
         assert got.dtype == torch.bfloat16 and got.shape == (m, rows)
         assert torch.equal(got, torch.ops.tinyllm.q4_q8_linear_portable(x, lin.packed, lin.bias)), f"{m} rows"
