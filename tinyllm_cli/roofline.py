@@ -34,7 +34,7 @@ Invariants:
   ``q4-int8``: with int8 activations it outruns the float matmuls, so a run could otherwise read
   over 100% of "the peak"), on the model's hidden -> FFN shape at 1, 32 and 256 rows (the peak is
   the 256-row figure), and the read bandwidth of a sum over 512 MiB (best of several). It is
-  cached per CPU, dtype, thread count, torch version, shape and paths (``peak_key``) in
+  cached per CPU, dtype, thread count, torch version, shape, paths and kernel build (``peak_key``) in
   ``peak_cache_path()``, so only the first bench on a machine pays for it.
 """
 
@@ -215,11 +215,13 @@ def peak_cache_path() -> Path:
 
 
 def peak_key(dtype: torch.dtype, threads: int, shape: tuple[int, int], gemm: str, q4: str = "") -> str:
-    """Names everything the peak depends on, the packed matmul path measured (``gemm``) and the
-    4-bit kernel's mode (``q4``) included: a peak cached before a new path existed is not this
-    path's peak."""
+    """Names everything the peak depends on, the packed matmul path measured (``gemm``), the
+    4-bit kernel's mode (``q4``) and the build of tinyllm's kernels included: a peak cached before
+    a new path or a faster kernel existed is not this path's peak."""
+    from . import kernels as native
+    build = native.build_key() if native.load() else "none"
     return f"{cpu_name()} | {str(dtype).removeprefix('torch.')} | {threads} threads | torch {torch.__version__} " \
-           f"| {shape[0]}x{shape[1]} | gemm {gemm}" + (f" | {q4}" if q4 else "")
+           f"| {shape[0]}x{shape[1]} | gemm {gemm} | kernels {build}" + (f" | {q4}" if q4 else "")
 
 
 def _read_cache(path: Path) -> dict:
