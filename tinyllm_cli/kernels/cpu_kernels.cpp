@@ -1318,20 +1318,34 @@ template <int R, int NB, typename W, typename O>
     odd_mask[b] = wide_mask2(cols - b * 16) & 0xAAAAAAAAu;
   }
 #endif
-  for (int64_t st = 0; st < steps; ++st) {
-    const typename W::T* wk = w + st * wld;
-    if (pf)
-      for (int b = 0; b < NB; ++b)
-        _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * wld + b * 16 * S), _MM_HINT_T0);
-    if constexpr (S == 1) {
-      __m512 wv[NB];
-      for (int b = 0; b < NB; ++b)
-        wv[b] = full ? _mm512_loadu_ps(wk + b * 16) : _mm512_maskz_loadu_ps(wide_mask(cols - b * 16), wk + b * 16);
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(x[r * ldx + st]);
-        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(a, wv[b], acc[r][b]);
+  if constexpr (S == 1) {
+    // The step loop with whether the block is full and whether to prefetch fixed at compile time:
+    // tested inside it, each step also ran two compares and branches beside its 24 FMAs (1.09x
+    // at 64 rows, 1.15x at 1,460 on Ice Lake, medians of 8 interleaved runs).
+    auto run = [&]<bool Full, bool Pf>() __attribute__((always_inline)) {
+      for (int64_t st = 0; st < steps; ++st) {
+        const float* wk = w + st * wld;
+        if constexpr (Pf)
+          for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * wld + b * 16), _MM_HINT_T0);
+        __m512 wv[NB];
+        for (int b = 0; b < NB; ++b)
+          wv[b] = Full ? _mm512_loadu_ps(wk + b * 16) : _mm512_maskz_loadu_ps(wide_mask(cols - b * 16), wk + b * 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512 a = _mm512_set1_ps(x[r * ldx + st]);
+          for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_fmadd_ps(a, wv[b], acc[r][b]);
+        }
       }
-    } else {
+    };
+    if (full)
+      pf ? run.template operator()<true, true>() : run.template operator()<true, false>();
+    else
+      pf ? run.template operator()<false, true>() : run.template operator()<false, false>();
+  } else {
+    for (int64_t st = 0; st < steps; ++st) {
+      const typename W::T* wk = w + st * wld;
+      if (pf)
+        for (int b = 0; b < NB; ++b)
+          _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * wld + b * 16 * S), _MM_HINT_T0);
 #if defined(__AVX512BF16__)
       __m512bh wv[NB];
       for (int b = 0; b < NB; ++b) {
