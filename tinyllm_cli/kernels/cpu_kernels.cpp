@@ -178,8 +178,8 @@ struct Scratch {
 
 // s[p] = exp(s[p] - max s) in place; returns their sum (softmax's denominator).
 inline float softmax_numerators(float* s, int64_t len) {
-  // Eight running maxima (GCC makes them one vector): one chain waited on each max's latency,
-  // ~12% of a decode step's attention (Ice Lake). The maximum does not depend on the order.
+  // Eight independent running maxima: one chain waited on each max's latency, ~12% of a decode
+  // step's attention (Ice Lake). The maximum does not depend on the order it is taken in.
   float lanes[8];
   std::fill(lanes, lanes + 8, -std::numeric_limits<float>::infinity());
   int64_t p = 0;
@@ -1262,10 +1262,7 @@ struct WideX<BF16> {
 inline __mmask16 wide_mask(int64_t cols) { return cols >= 16 ? ~__mmask16(0) : (__mmask16(1) << cols) - 1; }
 inline __mmask32 wide_mask2(int64_t cols) { return cols >= 16 ? ~__mmask32(0) : (__mmask32(1) << (2 * cols)) - 1; }
 
-// 16 float32 to bfloat16 bits, rounded to nearest even as BF16::st (vcvtneps2bf16 also flushes
-// subnormals to zero). Without AVX512-BF16 the integer form, which a tile calls out of line
-// (wide_store_bf16).
-// BF16::st on 16 lanes, bit for bit (subnormals kept).
+// BF16::st on 16 lanes, bit for bit (subnormals kept): the integer form.
 inline __m256i bf16_bits16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -1274,6 +1271,9 @@ inline __m256i bf16_bits16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// 16 float32 to bfloat16 bits, rounded to nearest even as BF16::st (vcvtneps2bf16 also flushes
+// subnormals to zero). Without AVX512-BF16 the integer form, which a tile calls out of line
+// (wide_store_bf16).
 inline __m256i wide_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(v);
@@ -1803,7 +1803,8 @@ inline __m512 q8_widen(const uint16_t* x) {
 }
 inline void q8_group_vec(const uint16_t* x, bool q4_order, int8_t* q, float& d, int32_t& sum) {
   const __m512 a = q8_widen(x), b = q8_widen(x + 16);
-  // max_ps returns its second operand where the first is NaN: a NaN |x| leaves the running max.
+  // max_ps returns its second operand where either is NaN, and the running max (second) never
+  // is: a NaN |x| leaves it as the plain loop's std::max does.
   const __m512 m = _mm512_max_ps(_mm512_abs_ps(b), _mm512_max_ps(_mm512_abs_ps(a), _mm512_setzero_ps()));
   const float amax = _mm512_reduce_max_ps(m);
   const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
