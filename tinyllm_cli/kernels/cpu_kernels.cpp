@@ -1794,15 +1794,25 @@ inline void q8_group_plain(const uint16_t* x, bool q4_order, int8_t* q, float& d
   sum = s;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #define TINYLLM_Q8_VEC 1
-// Why: the plain loop took ~4 ns an input (Ice Lake), as long as the whole VNNI matmul of a
-// 576-output layer over the same rows; this form is ~6x faster there.
-inline __m512 q8_widen(const uint16_t* x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+// Why vectors: the plain loop took ~4 ns an input (Ice Lake), as long as the whole VNNI matmul of
+// a 576-output layer over the same rows; the vector forms are ~6x faster there.
+
+// A group's 32 codes, given in input order, stored in kQ8Order (inside each 8 inputs, so the
+// byte shuffle stays within 128-bit lanes) or as they are.
+inline void q8_store_codes(__m256i codes, bool q4_order, int8_t* q) {
+  if (q4_order) {
+    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    codes = _mm256_shuffle_epi8(codes, order);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), codes);
 }
+
+#if defined(__AVX512F__)
 inline void q8_group_vec(const uint16_t* x, bool q4_order, int8_t* q, float& d, int32_t& sum) {
-  const __m512 a = q8_widen(x), b = q8_widen(x + 16);
+  const __m512 a = vload(x), b = vload(x + 16);
   // max_ps returns its second operand where either is NaN, and the running max (second) never
   // is: a NaN |x| leaves it as the plain loop's std::max does.
   const __m512 m = _mm512_max_ps(_mm512_abs_ps(b), _mm512_max_ps(_mm512_abs_ps(a), _mm512_setzero_ps()));
@@ -1812,27 +1822,17 @@ inline void q8_group_vec(const uint16_t* x, bool q4_order, int8_t* q, float& d, 
   // max_ps(v, -127) is -127 for a NaN v, as std::max(-127, v) is.
   const __m512i ca = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a, inv), lo), hi));
   const __m512i cb = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(b, inv), lo), hi));
-  __m256i codes = _mm256_set_m128i(_mm512_cvtepi32_epi8(cb), _mm512_cvtepi32_epi8(ca));
-  if (q4_order) {  // kQ8Order inside each 8 inputs (lane-local)
-    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-    codes = _mm256_shuffle_epi8(codes, order);
-  }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), codes);
+  q8_store_codes(_mm256_set_m128i(_mm512_cvtepi32_epi8(cb), _mm512_cvtepi32_epi8(ca)), q4_order, q);
   d = amax / 127.0f;
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ca, cb));
 }
-#elif defined(__AVX2__)
-#define TINYLLM_Q8_VEC 1
-inline __m256 q8_widen(const uint16_t* x) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
-}
+#else
 inline void q8_group_vec(const uint16_t* x, bool q4_order, int8_t* q, float& d, int32_t& sum) {
   __m256 v[4];
   __m256 m = _mm256_setzero_ps();
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int i = 0; i < 4; ++i) {
-    v[i] = q8_widen(x + 8 * i);
+    v[i] = vload(x + 8 * i);
     m = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), m);  // a NaN |x| leaves the running max
   }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -1843,20 +1843,15 @@ inline void q8_group_vec(const uint16_t* x, bool q4_order, int8_t* q, float& d, 
   __m256i c[4];
   for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[i], inv), lo), hi));
   // packs interleave 128-bit lanes: dwords come out as inputs 0-3, 8-11, 16-19, 24-27, 4-7, ...
-  __m256i codes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-  codes = _mm256_permutevar8x32_epi32(codes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  if (q4_order) {
-    const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                           0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-    codes = _mm256_shuffle_epi8(codes, order);
-  }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), codes);
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  q8_store_codes(_mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)), q4_order, q);
   d = amax / 127.0f;
   const __m256i s = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
   __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
   s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
   sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
 }
+#endif
 #endif
 
 // x [m, k] bfloat16 -> Q8Rows. The codes of a group are stored in kQ8Order (q4_q8_linear) or in
