@@ -13,9 +13,11 @@ is bound by reading the weights).
     python scripts/spec_bench.py                           # default model, float32, ngram
     python scripts/spec_bench.py --config configs/fast.yaml  # the 4-bit fast settings
     python scripts/spec_bench.py --target BIG.gguf --methods ngram,draft   # draft: 'default' drafts
+    python scripts/spec_bench.py --methods draft --draft-quant gguf   # the 135M's own 4-bit blocks draft
 
-The draft-model row needs a target bigger than the 135M default with the same tokenizer
-(``--target``); without one it is skipped with a note on stderr.
+The draft-model row needs a target bigger than the draft with the same tokenizer (``--target``),
+or a draft kept cheaper than the target (``--draft-quant gguf``: the draft GGUF's 4-bit blocks,
+under the float32 target); without either it is skipped with a note on stderr.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--methods", default="ngram", help="Comma list: ngram, draft.")
     ap.add_argument("--target", default=None, help="draft rows: a target bigger than the draft, same tokenizer.")
     ap.add_argument("--draft-model", default="default", help="draft rows: the drafting model (default: the 135M).")
+    ap.add_argument("--draft-quant", default=None, help="draft rows: how the draft keeps its weights (gguf: 4-bit).")
+    ap.add_argument("--quant-activations", default=None, help="bfloat16, int8 or auto (the 4-bit matmuls' input).")
     ap.add_argument("--num-tokens", type=int, default=4, help="Draft tokens per step.")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3, help="Runs per side (the table shows medians).")
@@ -103,14 +107,17 @@ def main(argv=None) -> None:
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=0.0)
     dtype = a.dtype or (None if a.config else "float32")
     common = dict(max_num_seqs=4, num_speculative_tokens=a.num_tokens) | ({"dtype": dtype} if dtype else {})
+    common |= {"quant_activations": a.quant_activations} if a.quant_activations else {}
     rows = []
     for method in methods:
-        if method == "draft" and a.target is None:
-            print("note: the draft row needs --target (a model bigger than the draft with the same tokenizer); "
-                  "skipped", file=sys.stderr)
+        if method == "draft" and a.target is None and a.draft_quant is None:
+            print("note: the draft row needs --target (a model bigger than the draft with the same tokenizer) or "
+                  "--draft-quant gguf (a 4-bit draft); skipped", file=sys.stderr)
             continue
-        model = a.target if method == "draft" else a.model
-        spec = {"speculative": method} | ({"draft_model": a.draft_model} if method == "draft" else {})
+        model = (a.target or a.model) if method == "draft" else a.model
+        spec = {"speculative": method}
+        if method == "draft":
+            spec |= {"draft_model": a.draft_model} | ({"draft_quant": a.draft_quant} if a.draft_quant else {})
         with LLM(model, config=a.config, progress=False, **common) as llm:
             warm = SamplingParams(max_new_tokens=8, temperature=0.0)
             measure(llm, WORKLOADS[names[0]], warm, spec, 1)  # first-call costs (kernels, shapes) out of the way

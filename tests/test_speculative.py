@@ -253,6 +253,14 @@ def test_config_keys_are_validated():
         build_config({"speculative": {"prompt_lookup_min": 4, "prompt_lookup_max": 2}})
     cfg = build_config({"speculative": {"method": "ngram", "num_tokens": 6}})
     assert cfg.speculative.method == "ngram" and cfg.speculative.num_tokens == 6
+    with pytest.raises(UsageError, match="speculative.draft_quant .*must be one of none, gguf, not 'q4'"):
+        build_config({"speculative": {"method": "draft", "draft_model": "default", "draft_quant": "q4"}})
+    # int8 activations apply to 4-bit matmuls: a 4-bit draft has them even where the target has none
+    with pytest.raises(UsageError, match="quant_activations .*applies to quant: gguf only"):
+        build_config({"quant_activations": "int8", "speculative": {"method": "draft", "draft_model": "default"}})
+    cfg = build_config({"quant_activations": "int8",
+                        "speculative": {"method": "draft", "draft_model": "default", "draft_quant": "gguf"}})
+    assert cfg.speculative.draft_quant == "gguf" and cfg.quant == "none"
 
 
 def test_llm_front_door_ngram_and_draft(llama_dir, qwen2_dir):
@@ -324,3 +332,24 @@ def test_default_model_input_grounded_prompt_equals_plain_greedy(default_model, 
     assert (out.finish_reason, out.stop_reason) == (plain.finish_reason, plain.stop_reason)
     assert eng.stats.spec_accepted_tokens > 0
     pool_empty(eng.cache)
+
+
+def test_default_model_float32_target_with_its_own_4bit_blocks_drafting(default_checkpoint):
+    """``draft_quant: gguf``: the default GGUF's 4-bit blocks (bfloat16, int8 activations where the
+    kernel has them) draft for the same file dequantized to float32. The output is plain float32
+    greedy decoding's; the draft, the same weights in another arithmetic, agrees most of the time."""
+    from tinyllm_cli import LLM
+    from tinyllm_cli.model.quant import Int4Linear, Q4Linear
+    tok = default_checkpoint.tokenizer
+    prompts = [tok.encode(tok.render_chat([{"role": "user", "content": task + PASSAGE}]))
+               for task in ("Summarize this text in one sentence:\n\n", "Rewrite this text in simpler words:\n\n")]
+    p = SamplingParams(max_new_tokens=40)
+    with LLM("default", dtype="float32", progress=False, num_blocks=64, quant_activations="auto") as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+        llm.reconfigure(speculative="draft", draft_model="default", draft_quant="gguf")
+        out = [o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+        assert out == plain
+        assert llm.stats.spec_acceptance_rate > 0.5 and llm.stats.spec_tokens_per_verify > 2
+        (draft,) = llm.runtime.drafts.values()
+        assert llm.runtime.dtype == torch.float32 and draft.dtype == torch.bfloat16
+        assert any(isinstance(m, (Q4Linear, Int4Linear)) for m in draft.modules())

@@ -94,6 +94,7 @@ SHARED: dict[str, tuple[object, object]] = {
     "prompt_lookup_min": (Annotated[Optional[int], typer.Option("--prompt-lookup-min", help="ngram: shortest n-gram of the latest tokens looked up in the earlier ones (default 1).")], None),
     "prompt_lookup_max": (Annotated[Optional[int], typer.Option("--prompt-lookup-max", help="ngram: longest n-gram, tried first (default 3).")], None),
     "draft_model": (Annotated[Optional[str], typer.Option("--draft-model", help="draft: a smaller model with the same tokenizer ('default', a .gguf file, a directory or a Hub id).")], None),
+    "draft_quant": (Annotated[Optional[str], typer.Option("--draft-quant", help="draft: how the draft keeps its weights, as --quant (default: the target's); gguf keeps a GGUF draft's 4-bit blocks under a float32 target.")], None),
     "quiet": (Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or tables.")], False),
     "debug": (Annotated[bool, typer.Option("--debug", help="Show tracebacks.")], False),
     "stats_json": (Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")], None),
@@ -106,7 +107,8 @@ GROUPS = {
     "SAMPLING": ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
                  "ignore_eos", "n", "logprobs", "prompt_logprobs", "json_schema", "json_object", "regex", "choice",
                  "grammar"),
-    "SPECULATIVE": ("speculative", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_model"),
+    "SPECULATIVE": ("speculative", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_model",
+                    "draft_quant"),
     "CLUSTER": ("workers", "ray_address", "worker_cpus", "worker_gpus", "max_attempts", "max_restarts", "insecure"),
     "RUN": ("quiet", "debug", "stats_json"),
 }

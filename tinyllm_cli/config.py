@@ -62,6 +62,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest n-gram of the latest tokens looked up in the earlier ones
     prompt_lookup_max: int = 3  # ngram: longest (tried first)
     draft_model: str | None = None  # draft: a smaller model with the same tokenizer, given like ``model``
+    # draft: how the draft model's weights are kept (as ``quant``; unset: the target's). 'gguf'
+    # keeps a GGUF draft's 4-bit blocks (computing in bfloat16) under a target that does not: a
+    # cheap drafter, even the target's own file, for an exact float32 target.
+    draft_quant: str | None = None
 
 
 SPEC_METHODS = ("none", "ngram", "draft")
@@ -315,7 +319,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
     if cfg.quant_activations not in QUANT_ACTIVATIONS:
         raise UsageError(f"quant_activations{at('quant_activations', '')} must be one of "
                          f"{', '.join(QUANT_ACTIVATIONS)}, not {cfg.quant_activations!r}")
-    if cfg.quant_activations == "int8" and cfg.quant == "none":
+    if cfg.quant_activations == "int8" and "gguf" not in (cfg.quant, draft_quant(cfg)):
         raise UsageError(f"quant_activations{at('quant_activations', '')} is int8, which applies to quant: gguf only "
                          f"(here quant is none); drop it or set quant: gguf")
     from .cache.attention import ATTENTION_PATHS
@@ -352,12 +356,22 @@ def _validate_speculative(sp: SpeculativeConfig, at) -> None:
     if not 1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max:
         raise UsageError(f"speculative.prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, not "
                          f"{sp.prompt_lookup_min} and {sp.prompt_lookup_max}")
+    if sp.draft_quant is not None and sp.draft_quant not in QUANTS:
+        raise UsageError(f"speculative.draft_quant{at('speculative.draft_quant', '')} must be one of "
+                         f"{', '.join(QUANTS)}, not {sp.draft_quant!r}")
     if sp.method == "draft" and not sp.draft_model:
         raise UsageError(f"speculative.method{at('speculative.method', '')} 'draft' needs speculative.draft_model "
                          f"(--draft-model PATH): the smaller model that drafts, with the same tokenizer")
 
 
 MAX_SPEC_TOKENS = 16  # a longer draft is almost never all accepted, and its rows cost every step
+
+
+def draft_quant(cfg: Config) -> str | None:
+    """How the draft model keeps its weights: ``speculative.draft_quant``, else the target's
+    ``quant``; None when no draft model runs."""
+    sp = cfg.speculative
+    return (sp.draft_quant or cfg.quant) if sp.method == "draft" else None
 
 
 # Flat names (command-line flags, ``LLM(...)`` keywords) -> dotted keys: every key by its own

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache.kv import CacheError, PagedKVCache, SlotKVCache, available_memory, parse_bytes, prefix_salt, token_bytes
-from .config import Config
+from .config import Config, draft_quant
 from .engine.engine import LLMEngine
 from .engine.speculative import ModelDrafter, NgramDrafter, Speculation
 from .errors import TinyLLMError, UsageError
@@ -76,6 +76,25 @@ class Placement:
         except ValueError as e:
             raise UsageError(str(e))
 
+    @classmethod
+    def for_draft(cls, cfg: Config, rt: "Runtime") -> tuple[str, "Placement"]:
+        """The draft model's quant and placement: the target's, unless ``speculative.draft_quant``
+        differs (then its own dtype: bfloat16 for 4-bit weights, the target's otherwise; its own
+        matmul path and activation mode; on the target's device)."""
+        quant = draft_quant(cfg)
+        if quant == cfg.quant:
+            return quant, cls(rt.device, rt.dtype, rt.gemm, rt.int8_activations)
+        dtype = ACT_DTYPE if quant != "none" else rt.dtype
+        try:
+            check_quant(quant, dtype, rt.device)
+        except UsageError as e:
+            raise UsageError(f"speculative.draft_quant: {e}") from None
+        try:
+            int8 = quant != "none" and int8_activations(cfg.quant_activations, rt.device)
+            return quant, cls(rt.device, dtype, resolve_gemm(cfg.gemm, dtype, rt.device), int8)
+        except ValueError as e:
+            raise UsageError(str(e))
+
 
 @dataclass
 class Runtime:
@@ -90,7 +109,7 @@ class Runtime:
     load_s: float
     model: LlamaModel | None = None  # None on a cluster's driver: the workers hold the models
     workers: int = 1  # engines serving the run (Ray workers, or 1 in-process)
-    drafts: dict = field(default_factory=dict)  # draft models by spec, loaded once (speculative: draft)
+    drafts: dict = field(default_factory=dict)  # draft models by spec and form, loaded once (speculative: draft)
     int8_activations: bool = False  # the 4-bit matmuls quantize their input (quant_activations)
 
     def facts(self) -> dict:
@@ -213,32 +232,35 @@ def make_speculation(cfg: Config, rt: Runtime, cache: PagedKVCache) -> Speculati
         return None
     if sp.method == "ngram":
         return Speculation("ngram", sp.num_tokens, NgramDrafter(sp.prompt_lookup_min, sp.prompt_lookup_max))
-    draft = load_draft(sp.draft_model, rt, cfg.quant)
+    quant, where = Placement.for_draft(cfg, rt)
+    draft = load_draft(sp.draft_model, rt, quant, where)
     # The draft cache holds as many tokens as the target's pool, in the draft model's (smaller) K/V.
     tokens = cache.num_blocks * cache.block_size
     block = cache.block_size if cache.kind == "paged" else 16
     try:
-        dcache = PagedKVCache(draft.cfg, max(1, tokens // block), block, rt.dtype, rt.device,
+        dcache = PagedKVCache(draft.cfg, max(1, tokens // block), block, where.dtype, rt.device,
                               attention=cfg.cache.attention)
     except CacheError as e:
         raise UsageError(f"the draft model's KV cache cannot be built: {e}")
     return Speculation("draft", sp.num_tokens, ModelDrafter(draft, dcache))
 
 
-def load_draft(spec: str, rt: Runtime, quant: str) -> LlamaModel:
-    """The draft model (loaded once per runtime), refused unless it shares the target's tokenizer."""
-    if spec not in rt.drafts:
+def load_draft(spec: str, rt: Runtime, quant: str, where: Placement) -> LlamaModel:
+    """The draft model (loaded once per runtime and form), refused unless it shares the target's
+    tokenizer."""
+    key = (spec, quant, where.dtype, where.gemm, where.int8_activations)
+    if key not in rt.drafts:
         try:
-            ck = load_checkpoint(spec, False, quant, dtype=rt.dtype)
+            ck = load_checkpoint(spec, False, quant, dtype=where.dtype)
         except UsageError as e:  # name which of the two models it is about
             raise UsageError(f"speculative.draft_model: {e}") from None
         check_draft_vocab(ck, rt)
         try:
-            rt.drafts[spec] = build_model(ck.config, ck.weights, rt.dtype, str(rt.device), rt.gemm,
-                                          rt.int8_activations)
+            rt.drafts[key] = build_model(ck.config, ck.weights, where.dtype, str(rt.device), where.gemm,
+                                         where.int8_activations)
         except ValueError as e:
             raise TinyLLMError(f"cannot build the draft model from {ck.source}: {e}")
-    return rt.drafts[spec]
+    return rt.drafts[key]
 
 
 def check_draft_vocab(ck: Checkpoint, rt: Runtime) -> None:
