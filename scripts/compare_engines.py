@@ -74,7 +74,11 @@ and their fractions of this CPU's measured matmul peak and read bandwidth. The w
 workload's, the same for every engine (``tinyllm_cli.roofline.workload_work``: weight matmuls plus
 attention FLOPs, weights streamed once per forward plus K/V bytes, with tinyllm's model for the
 shape and precision: its weights as held, so an int4 row counts tinyllm's packed 4-bit bytes);
-an engine's rate = its median tok/s x the work per total token. The peak is ``tinyllm bench``'s
+an engine's rate = its median tok/s x the work per total token. "% of the bound" is the
+workload's least time on this CPU (``roofline.workload_bound_s``: the prefill and each decode
+forward at the slower of its FLOPs at the peak and its bytes at the bandwidth, summed) over the
+engine's time: one figure that holds a compute-bound prefill and a bandwidth-bound decode each
+against its own limit. The peak is ``tinyllm bench``'s
 (``roofline.runtime_peak``: the best of F.linear, tinyllm's packed matmul and, for int4, its
 4-bit kernel, at 256 rows on the model's hidden x FFN shape, 2 threads), measured after the
 row's rounds with every engine closed, and cached per CPU. llama.cpp's rows are batched-bench at
@@ -1204,30 +1208,34 @@ def row_limits(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict
     model for the row."""
     if (shape, dtype) not in cmp.runtimes:
         return
-    from tinyllm_cli.roofline import runtime_peak, workload_work
+    from tinyllm_cli.roofline import runtime_peak, workload_bound_s, workload_work
     rt, weight_bytes, kv_bytes = cmp.runtimes[(shape, dtype)]
     peak = runtime_peak(rt)
     for bench, ps in prompts.items():
         out_len = ctx["workloads"][bench].output_len
-        w = workload_work(rt.model_cfg, [len(p) for p in ps], out_len, weight_bytes=weight_bytes,
-                          kv_elem_bytes=kv_bytes)
-        cmp.limits[(shape, bench, dtype)] = workload_limit(w, total_tokens(ps, out_len), peak)
+        lens, kw = [len(p) for p in ps], dict(weight_bytes=weight_bytes, kv_elem_bytes=kv_bytes)
+        w = workload_work(rt.model_cfg, lens, out_len, **kw)
+        bound = workload_bound_s(rt.model_cfg, lens, out_len, peak, **kw)
+        cmp.limits[(shape, bench, dtype)] = workload_limit(w, bound, total_tokens(ps, out_len), peak)
 
 
-def workload_limit(work, tokens: int, peak: dict) -> dict:
-    """FLOPs and bytes per total token of a workload, and the peak they are held against."""
+def workload_limit(work, bound_s: float, tokens: int, peak: dict) -> dict:
+    """FLOPs, bytes and roofline seconds per total token of a workload, and the peak they are
+    held against."""
     return {"flops_per_token": work.flops / tokens, "bytes_per_token": work.bytes / tokens,
+            "bound_s_per_token": bound_s / tokens,
             "peak_gflops": peak["gemm_gflops"], "peak_path": peak["gemm"], "peak_rows": peak["gemm_rows"],
             "bandwidth_gbps": peak["bandwidth_gbps"], "peak_cached": bool(peak.get("cached"))}
 
 
 def engine_rates(limit: dict, tok_s: float) -> dict:
-    """An engine's achieved GFLOP/s and GB/s at ``tok_s`` total tokens/s, and their fractions of
-    the peak and the bandwidth."""
+    """An engine's achieved GFLOP/s and GB/s at ``tok_s`` total tokens/s, their fractions of the
+    peak and the bandwidth, and the workload's least time over its time (``roofline.workload_bound_s``)."""
     gflops, gbps = tok_s * limit["flops_per_token"] / 1e9, tok_s * limit["bytes_per_token"] / 1e9
     sig = lambda x: float(f"{x:.4g}")  # noqa: E731 (a tiny test model's rates are far below 0.1)
     return {"gflops": sig(gflops), "peak_frac": sig(gflops / limit["peak_gflops"]),
-            "gbps": sig(gbps), "bw_frac": sig(gbps / limit["bandwidth_gbps"])}
+            "gbps": sig(gbps), "bw_frac": sig(gbps / limit["bandwidth_gbps"]),
+            "bound_frac": sig(tok_s * limit["bound_s_per_token"])}
 
 
 def run_one(cmp: Comparison, ctx: dict, eng, name: str, shape: str, bench: str, dtype: str, prompts, rnd: int):
@@ -1419,7 +1427,9 @@ def markdown_table(cmp: Comparison, rows: list[dict]) -> str:
     head, body = limit_table(rows)
     if body:
         lines += ["", f"Where the limit is, {cpu_label(cmp.cpu)}: achieved GFLOP/s (% of the matmul peak, % of the "
-                      "read bandwidth); the work is the workload's, the same for every engine", "",
+                      "read bandwidth) · % of the bound (the workload's least time on this CPU, each phase "
+                      "at the slower of its FLOPs at the peak and its bytes at the bandwidth, over the "
+                      "engine's time); the work is the workload's, the same for every engine", "",
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
     return "\n".join(lines) + "\n"
@@ -1437,7 +1447,8 @@ def limit_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                  f"{lim['bandwidth_gbps']:.1f} GB/s"]
         for e in engines:
             x = r.get(f"rate {e}")
-            cells.append(f"{x['gflops']:.0f} ({x['peak_frac']:.0%}, {x['bw_frac']:.0%})" if x else "-")
+            cells.append(f"{x['gflops']:.0f} ({x['peak_frac']:.0%}, {x['bw_frac']:.0%}) · {x['bound_frac']:.0%}"
+                         if x else "-")
         body.append(cells)
     return head, body
 
@@ -1481,7 +1492,8 @@ def print_table(cmp: Comparison, rows: list[dict]) -> None:
     head, body = limit_table(rows)
     if body:
         lt = Table(title=f"where the limit is · {cpu_label(cmp.cpu)} · achieved GFLOP/s (% matmul peak, % read "
-                         "bandwidth), the workload's work for every engine", header_style="bold")
+                         "bandwidth) · % of the bound (least time), the workload's work for every engine",
+                   header_style="bold")
         for col in head:
             lt.add_column(col, justify="left" if col in ("shape", "bench", "dtype") else "right")
         for cells in body:

@@ -113,6 +113,10 @@ def _check_limits(res: dict, rows: dict, llama_dir) -> None:
             assert rate["peak_frac"] == pytest.approx(gflops / lim["peak_gflops"], rel=1e-3)
             assert rate["bw_frac"] == pytest.approx(row[eng] * lim["bytes_per_token"] / 1e9 / lim["bandwidth_gbps"],
                                                     rel=1e-3)
+            # the bound (least time) is at least the slower of the whole workload's two limits
+            assert lim["bound_s_per_token"] >= max(lim["flops_per_token"] / lim["peak_gflops"],
+                                                   lim["bytes_per_token"] / lim["bandwidth_gbps"]) / 1e9 * (1 - 1e-9)
+            assert rate["bound_frac"] == pytest.approx(row[eng] * lim["bound_s_per_token"], rel=1e-3)
     assert "Where the limit is" in res["markdown"] and "| 135m | W1 | float32 |" in res["markdown"].split("limit is")[1]
 
 

@@ -15,7 +15,7 @@ from tinyllm_cli import LLM
 from tinyllm_cli import roofline as rl
 from tinyllm_cli.engine.stats import Timeline
 from tinyllm_cli.model.checkpoint import load_checkpoint
-from tinyllm_cli.model.llama import build_model, use_native_ops
+from tinyllm_cli.model.llama import ModelConfig, build_model, use_native_ops
 from test_cli import cli
 
 
@@ -138,6 +138,25 @@ def test_workload_counts_with_forks_and_chunked_prefill():
     assert c["attn_pairs"] == (10 + 21) + 2 * ((5 + 6) + (7 + 8))
     with pytest.raises(ValueError):
         rl.workload_counts([], 3)
+    phases = rl.workload_phases([4, 6], 3, n=2, max_prefill_tokens=4)
+    assert [p["forwards"] for p in phases] == [3, 1, 1] and [p["kv_read_tokens"] for p in phases[1:]] == [2 * 12, 2 * 14]
+
+
+def test_roofline_bound_holds_each_phase_against_its_own_limit():
+    """A prefill of many rows is bound by its FLOPs, a decode forward of few rows by its bytes:
+    the workload's bound sums the slower of the two phase by phase, which is more than either limit
+    over the whole workload when the phases differ."""
+    cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    peak = {"gemm_gflops": 100.0, "bandwidth_gbps": 10.0}
+    kw = dict(weight_bytes=rl.dense_weight_bytes(cfg, 4), kv_elem_bytes=4)
+    lens, out = [500, 700], 9
+    phases = [rl.work_of_counts(cfg, c, **kw) for c in rl.workload_phases(lens, out)]
+    prefill, decode = phases[0], phases[1]
+    assert prefill.flops / 100e9 > prefill.bytes / 10e9 and decode.bytes / 10e9 > decode.flops / 100e9
+    bound = rl.workload_bound_s(cfg, lens, out, peak, **kw)
+    assert bound == pytest.approx(prefill.flops / 100e9 + sum(w.bytes / 10e9 for w in phases[1:]))
+    whole = rl.workload_work(cfg, lens, out, **kw)
+    assert bound > max(whole.flops / 100e9, whole.bytes / 10e9) == rl.bound_s(whole, peak)
 
 
 def test_peak_cache_round_trips(tmp_path, monkeypatch):

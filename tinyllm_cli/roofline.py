@@ -28,6 +28,9 @@ Invariants:
   prefilled first, in ceil(prompt tokens / max_prefill_tokens) forwards (one chunk per prompt),
   then decoded together in output_len - 1 forwards: what a continuous batcher does when the
   whole workload fits at once. tinyllm's own runs use the exact counts its steps recorded.
+- The roofline time of a workload (``workload_bound_s``) is a sum over those phases of the slower
+  of FLOPs at the peak and bytes at the bandwidth: no engine can take less on this machine, so
+  bound / elapsed is how close a run came to it (100% only if every forward ran at its limit).
 - The peak is a microbenchmark in this process: the best matmul rate of ``F.linear``, of the
   resolved packed linear (oneDNN or tinyllm's panels, where usable) and, for a model with 4-bit
   weights on tinyllm's kernel, of that kernel in the model's activation mode (``q4`` or
@@ -162,21 +165,29 @@ def work_of_run(cfg, summary: Mapping, *, weight_bytes: int, kv_elem_bytes: int)
     return work_of_counts(cfg, summary["work_counts"], weight_bytes=weight_bytes, kv_elem_bytes=kv_elem_bytes)
 
 
-def workload_counts(prompt_lens: Sequence[int], output_len: int, n: int = 1,
-                    max_prefill_tokens: int | None = None) -> dict[str, int]:
-    """The counts of a workload run by any engine under the module docstring's assumption: each
-    prompt prefilled once and forked ``n`` ways, every sequence decoded to exactly ``output_len``
-    tokens (the last one sampled, never fed back)."""
+def workload_phases(prompt_lens: Sequence[int], output_len: int, n: int = 1,
+                    max_prefill_tokens: int | None = None) -> list[dict[str, int]]:
+    """The counts of a workload run by any engine under the module docstring's assumption, phase
+    by phase: the prefill (its forwards together: each prompt once, its logits sampled for the
+    ``n`` forks), then each of the ``output_len - 1`` decode forwards (every sequence one row, its
+    context one longer each time; the last token is sampled, never fed back)."""
     if output_len < 1 or n < 1 or not prompt_lens or min(prompt_lens) < 1:
         raise ValueError("a workload needs prompts of at least 1 token, output_len >= 1 and n >= 1")
-    prompt = sum(prompt_lens)
-    dec = output_len - 1  # decode rows per sequence
-    decode_ctx = n * sum(dec * L + dec * (dec + 1) // 2 for L in prompt_lens)  # contexts L+1 .. L+dec
+    prompt, rows = sum(prompt_lens), n * len(prompt_lens)
     prefill_steps = 1 if max_prefill_tokens is None else math.ceil(prompt / max_prefill_tokens)
-    return {"forwards": prefill_steps + dec, "tokens": prompt + n * len(prompt_lens) * dec,
-            "logit_rows": n * len(prompt_lens) * output_len,
-            "attn_pairs": sum(L * (L + 1) // 2 for L in prompt_lens) + decode_ctx,
-            "kv_read_tokens": prompt + decode_ctx}
+    phases = [{"forwards": prefill_steps, "tokens": prompt, "logit_rows": rows,
+               "attn_pairs": sum(L * (L + 1) // 2 for L in prompt_lens), "kv_read_tokens": prompt}]
+    for j in range(1, output_len):  # decode forward j: contexts L + j
+        ctx = n * (prompt + j * len(prompt_lens))
+        phases.append({"forwards": 1, "tokens": rows, "logit_rows": rows, "attn_pairs": ctx, "kv_read_tokens": ctx})
+    return phases
+
+
+def workload_counts(prompt_lens: Sequence[int], output_len: int, n: int = 1,
+                    max_prefill_tokens: int | None = None) -> dict[str, int]:
+    """The counts of a whole workload: the sum of its phases' (``workload_phases``)."""
+    phases = workload_phases(prompt_lens, output_len, n, max_prefill_tokens)
+    return {k: sum(p[k] for p in phases) for k in phases[0]}
 
 
 def workload_work(cfg, prompt_lens: Sequence[int], output_len: int, *, weight_bytes: int, kv_elem_bytes: int,
@@ -187,6 +198,22 @@ def workload_work(cfg, prompt_lens: Sequence[int], output_len: int, *, weight_by
     dtype's bytes (the model dtype's in tinyllm)."""
     return work_of_counts(cfg, workload_counts(prompt_lens, output_len, n, max_prefill_tokens),
                           weight_bytes=weight_bytes, kv_elem_bytes=kv_elem_bytes)
+
+
+def bound_s(work: Work, peak: dict) -> float:
+    """The least time ``work`` takes on this machine: its FLOPs at the matmul peak or its bytes at
+    the read bandwidth, whichever is slower (one phase's roofline)."""
+    return max(work.flops / (peak["gemm_gflops"] * 1e9), work.bytes / (peak["bandwidth_gbps"] * 1e9))
+
+
+def workload_bound_s(cfg, prompt_lens: Sequence[int], output_len: int, peak: dict, *, weight_bytes: int,
+                     kv_elem_bytes: int, n: int = 1, max_prefill_tokens: int | None = None) -> float:
+    """The roofline time of a workload: ``bound_s`` phase by phase (``workload_phases``), summed.
+    The prefill is bound by the FLOPs, a small batch's decode forwards by the bytes; one figure for
+    the whole workload would hide either (a run can be at the bandwidth while decoding and far
+    from the peak in its prefill, or the reverse)."""
+    return sum(bound_s(work_of_counts(cfg, c, weight_bytes=weight_bytes, kv_elem_bytes=kv_elem_bytes), peak)
+               for c in workload_phases(prompt_lens, output_len, n, max_prefill_tokens))
 
 
 def rates(work: Work, elapsed_s: float, peak: dict | None) -> dict:
