@@ -797,6 +797,32 @@ inline void row_tiles(int64_t r0, int64_t r1, Tile&& tile) {
   }
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// A row tile's share of the next weight block, prefetched into L2 while the tile computes this
+// one. Where one block's rows take several tiles one after the other, the first tile waits on
+// memory and the rest compute from L2; splitting the next block's prefetch over all of them runs
+// the weight stream under every tile's compute. The tile at `row` of `rows` takes its 1 / tiles
+// of the `bytes` at `next` and prefetches `step` more of them at each of its `steps` steps, one
+// prefetch per cache line. Default-constructed (or with next == nullptr): nothing to prefetch.
+struct NextShare {
+  const char* line = nullptr;  // the next line to prefetch
+  const char* upto = nullptr;  // prefetched up to here so far
+  int64_t step = 0;
+  NextShare() = default;
+  NextShare(const void* next, int64_t bytes, int64_t rows, int64_t row, int64_t steps) {
+    if (!next) return;
+    const int64_t tiles = (rows + kTileRows - 1) / kTileRows, share = (bytes + tiles - 1) / tiles;
+    line = upto = static_cast<const char*>(next) + row / kTileRows * share;
+    step = (share + steps - 1) / steps;
+  }
+  bool on() const { return step > 0; }
+  // One step's share.
+  [[gnu::always_inline]] inline void advance() {
+    for (upto += step; line < upto; line += 64) _mm_prefetch(line, _MM_HINT_T1);
+  }
+};
+#endif
+
 // ---- int8 weight-only matmul for a few rows --------------------------------------------------
 
 // y[m][n] = scale[n] * sum_k x[m][k] * q[n][k] for n in [n0, n1), every row m; x is float32.
@@ -1295,22 +1321,15 @@ inline __m256i wide_bf16(__m512 v) {
 }
 #endif
 
-// A row tile's share of the next panel block's weights, prefetched into L2 while it computes:
-// the bytes from p on, ``step`` more each step, each cache line once (p == nullptr: none).
-struct WideNext {
-  const char* p = nullptr;
-  int64_t step = 0;
-};
-
 // R rows x NB blocks of 16 outputs over steps [0, steps) of one panel block (wld: elements per
 // step). part holds the float32 sums between K blocks (first: start from zero; last: add bias,
 // round, store y). cols < NB * 16 only in the last panel (masked loads and stores). The first row
 // tile of a block prefetches the weights 16 steps ahead into L1 (pf; the others find them in L2),
-// and every tile prefetches its share of the next block (nx: see wide_rows).
+// and every tile prefetches its share of the next block (nx: see NextShare, wide_rows).
 template <int R, int NB, typename W, typename O>
 [[gnu::always_inline]] inline void wide_tile(const typename WideX<W>::T* x, int64_t ldx, int64_t steps, const typename W::T* w, int64_t wld,
                       int64_t cols, float* part, bool first, bool last, const float* bias, typename O::T* y,
-                      int64_t ldy, bool pf, WideNext nx) {
+                      int64_t ldy, bool pf, NextShare nx) {
   constexpr int64_t S = wide_step<W>();
   __m512 acc[R][NB];
   for (int r = 0; r < R; ++r)
@@ -1330,13 +1349,12 @@ template <int R, int NB, typename W, typename O>
     // tested inside it, each step also ran two compares and branches beside its 24 FMAs (1.09x
     // at 64 rows, 1.15x at 1,460 on Ice Lake, medians of 8 interleaved runs).
     auto run = [&]<bool Full, bool Pf, bool Next>() __attribute__((always_inline)) {
-      const char *upto = nx.p, *line = nx.p;  // prefetched: [nx.p, line)
+      NextShare next = nx;  // a local copy the loop can keep in registers
       for (int64_t st = 0; st < steps; ++st) {
         const float* wk = w + st * wld;
         if constexpr (Pf)
           for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * wld + b * 16), _MM_HINT_T0);
-        if constexpr (Next)
-          for (upto += nx.step; line < upto; line += 64) _mm_prefetch(line, _MM_HINT_T1);
+        if constexpr (Next) next.advance();
         __m512 wv[NB];
         for (int b = 0; b < NB; ++b)
           wv[b] = Full ? _mm512_loadu_ps(wk + b * 16) : _mm512_maskz_loadu_ps(wide_mask(cols - b * 16), wk + b * 16);
@@ -1352,16 +1370,15 @@ template <int R, int NB, typename W, typename O>
       else
         pf ? run.template operator()<false, true, Next>() : run.template operator()<false, false, Next>();
     };
-    nx.p ? go.template operator()<true>() : go.template operator()<false>();
+    nx.on() ? go.template operator()<true>() : go.template operator()<false>();
   } else {
-    const char *upto = nx.p, *line = nx.p;
+    NextShare next = nx;
     for (int64_t st = 0; st < steps; ++st) {
       const typename W::T* wk = w + st * wld;
       if (pf)
         for (int b = 0; b < NB; ++b)
           _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * wld + b * 16 * S), _MM_HINT_T0);
-      if (nx.p)
-        for (upto += nx.step; line < upto; line += 64) _mm_prefetch(line, _MM_HINT_T1);
+      if (next.on()) next.advance();
 #if defined(__AVX512BF16__)
       __m512bh wv[NB];
       for (int b = 0; b < NB; ++b) {
@@ -1438,15 +1455,13 @@ void wide_rows(int64_t rows, const typename WideX<W>::T* x, int64_t ldx, int64_t
   static_assert(kTileRows == 8, "one case per tile height");
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
   const bool share_next = next_follows && tiles >= 2 && tiles <= 32;
-  const int64_t bytes = steps * wld * int64_t(sizeof(typename W::T)), share = share_next ? (bytes + tiles - 1) / tiles : 0;
+  const int64_t bytes = steps * wld * int64_t(sizeof(typename W::T));
   for (int64_t r = 0; r < rows; r += kTileRows) {
     const typename WideX<W>::T* xr = x + r * ldx;
     float* pr = part + r * WIDE_NR;
     typename O::T* yr = y + r * ldy;
     const bool pf = r == 0;
-    WideNext nx;
-    if (share_next)
-      nx = {reinterpret_cast<const char*>(w) + bytes + r / kTileRows * share, (share + steps - 1) / steps};
+    const NextShare nx(share_next ? w + steps * wld : nullptr, bytes, rows, r, steps);
     switch (std::min<int64_t>(kTileRows, rows - r)) {
       case 8: wide_tile<8, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
       case 7: wide_tile<7, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
@@ -1918,6 +1933,19 @@ void q8_row_chunks(int64_t m, int64_t blocks, int64_t grain, Body&& body) {
   });
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// Block b + 1 of a thread's blocks b < b1 (each `bytes` long, back to back from w), for the VNNI
+// tiles' NextShare: only where the step's m rows are one chunk of 2-6 tiles (a decode step). In
+// process A/B (Zen 4): the 4-bit layers 1.04x at 24-48 rows of 135M weights, 1.08x at 16 rows
+// of the 1.5b shape; the int8 output matrix 1.18x at 16 rows, 1.02x at 32; Ice Lake 1.04x at 16
+// rows. Over several chunks a thread walks its blocks once per chunk, and there it did not pay
+// (Ice Lake, 256 rows: 0.97x).
+inline const void* q8_next_block(const void* w, int64_t bytes, int64_t b, int64_t b1, int64_t m) {
+  const bool share = m > kTileRows && m <= kQ8RowChunk && b + 1 < b1;
+  return share ? static_cast<const char*>(w) + (b + 1) * bytes : nullptr;
+}
+#endif
+
 // The one float32 step per (row, output, group): acc += isum * (scale * d) + min * dsum.
 inline float q8_group(float acc, int32_t isum, float scale, float min, float d, float dsum) {
   return std::fma(min, dsum, std::fma(static_cast<float>(isum), scale * d, acc));
@@ -2012,7 +2040,7 @@ template <int64_t R>
 // rows against one decode of the block's codes.
 template <int64_t R>
 [[gnu::noinline]] void q4_q8_tile_vnni(const int8_t* xq, const float* d, const float* dsum, int64_t k, const uint8_t* wb,
-                                       const float* bias, uint16_t* y, int64_t n) {
+                                       const float* bias, uint16_t* y, int64_t n, NextShare nx) {
   const int64_t groups = k / 32;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
@@ -2020,6 +2048,7 @@ template <int64_t R>
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* gp = wb + g * Q4_BLOCK;
     for (int l = 0; l < Q4_BLOCK; l += 64) _mm_prefetch(reinterpret_cast<const char*>(gp + 2 * Q4_BLOCK + l), _MM_HINT_T0);
+    if (nx.on()) nx.advance();
     __m512i c[8];
     for (int i = 0; i < 4; ++i) {
       const __m512i v = _mm512_loadu_si512(gp + i * 64);
@@ -2060,10 +2089,12 @@ void q4_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int
   q8_row_chunks(m, blocks, grain, [&](int64_t b0, int64_t b1, int64_t r0, int64_t r1) {
 #if defined(TINYLLM_Q4_VNNI)
     if (!portable) {
+      const int64_t bytes = groups * Q4_BLOCK;
       for (int64_t b = b0; b < b1; ++b)
         row_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
-          q4_q8_tile_vnni<R>(xq + r * k, d + r * groups, dsum + r * groups, k, w + b * groups * Q4_BLOCK,
-                             bias ? bias + b * 16 : nullptr, y + r * n + b * 16, n);
+          q4_q8_tile_vnni<R>(xq + r * k, d + r * groups, dsum + r * groups, k, w + b * bytes,
+                             bias ? bias + b * 16 : nullptr, y + r * n + b * 16, n,
+                             NextShare(q8_next_block(w, bytes, b, b1, m), bytes, m, r, groups));
         });
       return;
     }
@@ -2125,7 +2156,7 @@ void int8_q8_rows_portable(const int8_t* xq, const float* d, int64_t m, int64_t 
 // R rows x one block of 16 rows of the weight, over every group.
 template <int64_t R>
 [[gnu::noinline]] void int8_q8_tile(const int8_t* xq, const float* d, const int32_t* sums, int64_t k, const int8_t* wb,
-                                    const float* scale, float* y, int64_t n) {
+                                    const float* scale, float* y, int64_t n, NextShare nx) {
   const int64_t groups = k / 32;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
@@ -2133,6 +2164,7 @@ template <int64_t R>
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* gp = wb + g * 512;  // 8 words of 4 inputs x 16 rows
     for (int l = 0; l < 512; l += 64) _mm_prefetch(reinterpret_cast<const char*>(gp + 1024 + l), _MM_HINT_T0);
+    if (nx.on()) nx.advance();
     __m512i sum[R];
     for (int64_t r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
     for (int i = 0; i < 8; ++i) {
@@ -2166,10 +2198,11 @@ void int8_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const int8_t* w, co
   q8_row_chunks(m, blocks, grain, [&](int64_t b0, int64_t b1, int64_t r0, int64_t r1) {
 #if defined(TINYLLM_Q4_VNNI)
     if (!portable) {
+      const int64_t bytes = 16 * k;
       for (int64_t b = b0; b < b1; ++b)
         row_tiles(r0, r1, [&]<int64_t R>(int64_t r) {
-          int8_q8_tile<R>(xq + r * k, d + r * groups, sums + r * groups, k, w + b * 16 * k, scale + b * 16,
-                          y + r * n + b * 16, n);
+          int8_q8_tile<R>(xq + r * k, d + r * groups, sums + r * groups, k, w + b * bytes, scale + b * 16,
+                          y + r * n + b * 16, n, NextShare(q8_next_block(w, bytes, b, b1, m), bytes, m, r, groups));
         });
       return;
     }
