@@ -351,15 +351,16 @@ def test_quantized_model_holds_no_float_copy_and_matches_the_dequantized_one(q4_
 def test_big_steps_leave_the_4bit_tiles_and_agree(q4_gguf, monkeypatch, int8):
     """A step of ``DEQUANT_ROWS`` rows or more: on the bfloat16 dot path (AVX512-BF16) it leaves
     the one-call layer kernel for the layer's modules, whose Q4Linear unpacks to bfloat16 for
-    oneDNN where it has AMX and runs ``q4_wide_linear`` elsewhere, in either activation mode; on
-    the float32 path (AVX2) the 4-bit kernel runs it (oneDNN has no fast bfloat16 matmul there).
-    Either way the logits agree with the dequantized model, and the path taken is the one
-    ``q4_isa`` and the CPU's flags say."""
+    oneDNN where it has AMX (either activation mode) and runs ``q4_wide_linear`` elsewhere with
+    bfloat16 activations; with int8 activations and no AMX the VNNI tile keeps it, as it does on
+    the float32 path (AVX2; oneDNN has no fast bfloat16 matmul there). Either way the logits
+    agree with the dequantized model, and the path taken is the one ``q4_isa``, the activation
+    mode and the CPU's flags say."""
     if not quant.q4_usable(torch.device("cpu")):
         pytest.skip("tinyllm's 4-bit kernel runs where its build has an AVX2 or AVX-512 path")
     from tinyllm_cli.machine import has_amx
     bf16_dot = torch.ops.tinyllm.q4_isa() == "avx512-bf16"
-    expected = None if not bf16_dot else "unpack" if has_amx() else "wide"
+    expected = None if not bf16_dot else "unpack" if has_amx() else None if int8 else "wide"
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", int8_activations=int8)
     assert model.int8_activations == int8
@@ -384,6 +385,29 @@ def test_big_steps_leave_the_4bit_tiles_and_agree(q4_gguf, monkeypatch, int8):
              quant_activations="int8" if int8 else "bfloat16") as llm:
         out = llm.generate([PROMPTS[1]], SamplingParams(max_new_tokens=3, ignore_eos=True), chat=False, use_tqdm=False)
     assert set(calls) == ({expected} if expected else set()) and len(out[0].completions[0].token_ids) == 3
+
+
+@needs_kernels
+def test_int8_prompts_do_not_depend_on_the_prompts_beside_them(q4_gguf, monkeypatch):
+    """With int8 activations and no AMX every step runs the 4-bit VNNI / AVX2 tiles (``big_step``
+    is None), whose rows do not depend on the rows beside them: prompts prefilled together in one
+    step past ``DEQUANT_ROWS`` give the tokens and log-probabilities, bit for bit, that each
+    gives prefilled alone below it. (Before, on AVX512-BF16 CPUs the big step ran the bfloat16
+    tile and a prompt's answer could change with the batch it arrived in.)"""
+    from tinyllm_cli.machine import has_amx
+    if not quant.q4_usable(torch.device("cpu")) or has_amx():
+        pytest.skip("with AMX a big step unpacks to bfloat16 for oneDNN; without the kernel there is no int8 path")
+    monkeypatch.setattr(quant, "DEQUANT_ROWS", max(map(len, PROMPTS)) + 1)
+    assert sum(map(len, PROMPTS)) >= quant.DEQUANT_ROWS  # together: one big step; alone: small ones
+    from tinyllm_cli import LLM
+    p = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=True)
+    with LLM(str(q4_gguf), quant="gguf", dtype="bfloat16", num_blocks=64, progress=False,
+             quant_activations="int8", prefix_caching=False) as llm:
+        together = llm.generate(PROMPTS, p, chat=False, use_tqdm=False)
+        alone = [llm.generate([pr], p, chat=False, use_tqdm=False)[0] for pr in PROMPTS]
+    for t, a in zip(together, alone):
+        assert t.completions[0].token_ids == a.completions[0].token_ids
+        assert t.completions[0].logprobs == a.completions[0].logprobs
 
 
 @needs_int4  # quant: gguf runs only where torch has its int4 matmul (runtime.check_quant), the fallback

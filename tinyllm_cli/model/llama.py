@@ -252,7 +252,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(positions)
         # Native path with the paged kernel: each layer is one kernel call (DecoderLayer.fused).
         paged = getattr(attn, "paged", None) if self.native else None
-        if self.quant == "gguf" and quant_forms.big_step(input_ids.shape[0]):
+        if self.quant == "gguf" and quant_forms.big_step(input_ids.shape[0], self.int8_activations):
             paged = None  # the layer's modules: Q4Linear leaves its 4-bit tiles for a step this big
         for layer in self.layers:
             args = paged(layer.index) if paged is not None and layer.fused_args is not None else None

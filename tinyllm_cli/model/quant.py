@@ -33,10 +33,11 @@ What each form computes (the same math as the dequantized weights, up to stated 
   (``int8_q8_linear``: the int8 weight against the Q8_0 codes, integer dot products, ~5x its
   bfloat16-input kernel at 16-32 rows on Zen 4); elsewhere its input stays bfloat16.
 - Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on AVX512-BF16 hosts:
-  ``big_step``), in either activation mode: with AMX ``Q4Linear`` unpacks its weight to bfloat16
-  for that call (transient, never kept) and runs oneDNN's bfloat16 matmul; without it
-  ``q4_wide_linear`` decodes one panel block at a time to bfloat16 in cache for tinyllm's AVX-512
-  bfloat16 tile (no whole-weight copy).
+  ``big_step``): with AMX, in either activation mode, ``Q4Linear`` unpacks its weight to bfloat16
+  for that call (transient, never kept) and runs oneDNN's bfloat16 matmul; without AMX and with
+  bfloat16 activations ``q4_wide_linear`` decodes one panel block at a time to bfloat16 in cache
+  for tinyllm's AVX-512 bfloat16 tile (no whole-weight copy); with int8 activations the VNNI
+  tile runs every step.
   The 4-bit kernel's bf16 dot products win when few rows share each weight read (decoding); at
   many rows of a 1536 x 8960 layer they reach ~174 GFLOP/s, oneDNN's bfloat16 matmul ~2,350
   (AMX, Sapphire Rapids, measured) or ~430 (AVX512-BF16 without AMX, Zen 4: the figure of the
@@ -237,18 +238,24 @@ def q4_usable(device: torch.device) -> bool:
 DEQUANT_ROWS = 1024
 
 
-def big_step(rows: int) -> str | None:
+def big_step(rows: int, int8: bool) -> str | None:
     """How ``Q4Linear`` runs a step of ``rows`` rows when it leaves its own 4-bit tiles: from
     ``DEQUANT_ROWS`` rows, where the kernel's path is the bfloat16 dot product (AVX512-BF16),
-    'unpack' where oneDNN has AMX (the weight unpacked to bfloat16 for oneDNN's matmul), else
-    'wide' (``q4_wide_linear``: each panel decoded to bfloat16 in cache for the AVX-512 tile; Zen 4,
-    the default model's 4-bit layers at 1,460 rows: 410 GFLOP/s against the VNNI tile's 383 and
-    the bfloat16 dot tile's 220). Either way the rows stay bfloat16, whatever the activation mode.
-    None: the 4-bit tiles (fewer rows, or the float32 path on AVX2 / AVX-512 without BF16, which
-    reaches the float32 matmul's rate at many rows where oneDNN has no bfloat16 matmul)."""
+    'unpack' where oneDNN has AMX (the weight unpacked to bfloat16 for oneDNN's matmul; rows stay
+    bfloat16 in either activation mode), else, with bfloat16 activations (``int8`` False), 'wide'
+    (``q4_wide_linear``: each panel decoded to bfloat16 in cache for the AVX-512 tile; Zen 4, the
+    default model's 4-bit layers at 1,460 rows: 410 GFLOP/s against the bfloat16 dot tile's 220).
+    None: the 4-bit tiles. That is fewer rows; the float32 path on AVX2 / AVX-512 without BF16,
+    which reaches the float32 matmul's rate at many rows where oneDNN has no bfloat16 matmul; and
+    int8 activations without AMX, where the VNNI tile outran the wide one at prompt sizes once
+    the quantizer was vectorized (Zen 4, in process: 1.17-1.22x at 512-1,460 rows of 135M and
+    1.5b-shape layers), so int8 activations mean int8 rows on every step there, as on CPUs
+    without AVX512-BF16 and in llama.cpp."""
     if rows < DEQUANT_ROWS or not _bf16_dot():
         return None
-    return "unpack" if has_amx() else "wide"
+    if has_amx():
+        return "unpack"
+    return None if int8 else "wide"
 
 
 @lru_cache(maxsize=None)
@@ -301,7 +308,7 @@ class Q4Linear(nn.Module):
         self.int8 = int8
 
     def forward(self, x: Tensor) -> Tensor:
-        big = big_step(x.shape[0])
+        big = big_step(x.shape[0], self.int8)
         if big == "unpack":  # oneDNN's AMX matmul wins here
             return torch.nn.functional.linear(x, q4_unpack(self.packed), self.bias)
         if big == "wide":
