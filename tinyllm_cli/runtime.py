@@ -70,11 +70,7 @@ class Placement:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device, cfg.quant)
         check_quant(cfg.quant, dtype, device)
-        try:
-            int8 = cfg.quant != "none" and int8_activations(cfg.quant_activations, device)
-            return cls(device, dtype, resolve_gemm(cfg.gemm, dtype, device), int8)
-        except ValueError as e:
-            raise UsageError(str(e))
+        return cls._paths(cfg, device, dtype, cfg.quant)
 
     @classmethod
     def for_draft(cls, cfg: Config, rt: "Runtime") -> tuple[str, "Placement"]:
@@ -89,9 +85,15 @@ class Placement:
             check_quant(quant, dtype, rt.device)
         except UsageError as e:
             raise UsageError(f"speculative.draft_quant: {e}") from None
+        return quant, cls._paths(cfg, rt.device, dtype, quant)
+
+    @classmethod
+    def _paths(cls, cfg: Config, device: torch.device, dtype: torch.dtype, quant: str) -> "Placement":
+        """Weights kept as ``quant`` in ``dtype`` on ``device`` (checked): with the config's matmul
+        path and, for 4-bit weights, its activation mode resolved for them."""
         try:
-            int8 = quant != "none" and int8_activations(cfg.quant_activations, rt.device)
-            return quant, cls(rt.device, dtype, resolve_gemm(cfg.gemm, dtype, rt.device), int8)
+            int8 = quant != "none" and int8_activations(cfg.quant_activations, device)
+            return cls(device, dtype, resolve_gemm(cfg.gemm, dtype, device), int8)
         except ValueError as e:
             raise UsageError(str(e))
 
