@@ -1574,6 +1574,29 @@ std::string panel_isa() {
 #endif
 }
 
+#if defined(TINYLLM_PANEL_WIDE)
+// The wide panels' layout, [N / WIDE_NR][K / st][WIDE_NR][st] then the last [K / st][N % WIDE_NR][st],
+// moved in 32-bit units (st inputs of one output: a float32, or a bfloat16 pair): each panel is a
+// transpose of its rows' units, done 64 steps at a time so the block being turned stays in L1,
+// panels split over the threads. torch's copy_ of the permuted view moved 4-byte pieces one
+// element pair at a time: 6.5 s of a 1.5B bfloat16 model's 11.6 s load on 2 Zen 4 cores.
+void wide_pack(const uint32_t* src, int64_t n, int64_t units, uint32_t* dst) {
+  const int64_t panels = (n + WIDE_NR - 1) / WIDE_NR;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(WIDE_NR, n - p * WIDE_NR);
+      const uint32_t* from = src + p * WIDE_NR * units;
+      uint32_t* to = dst + p * WIDE_NR * units;
+      for (int64_t s0 = 0; s0 < units; s0 += 64) {
+        const int64_t s1 = std::min<int64_t>(units, s0 + 64);
+        for (int64_t c = 0; c < cols; ++c)
+          for (int64_t st = s0; st < s1; ++st) to[st * cols + c] = from[c * units + st];
+      }
+    }
+  });
+}
+#endif
+
 // w [N, K] float32 / bfloat16 -> the same shape and dtype, in panel_linear's order.
 at::Tensor panel_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
@@ -1581,13 +1604,9 @@ at::Tensor panel_pack(const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1);
   auto out = at::empty({n, k}, w.options()).view({-1});
 #if defined(TINYLLM_PANEL_WIDE)
-  if (const int64_t st = wide_panels(w)) {  // [N / WIDE_NR][K / st][WIDE_NR][st], the last [K / st][N % WIDE_NR][st]
-    const int64_t whole = n / WIDE_NR, rest = n - whole * WIDE_NR;
-    out.narrow(0, 0, whole * WIDE_NR * k).view({whole, k / st, WIDE_NR, st})
-        .copy_(w.narrow(0, 0, whole * WIDE_NR).view({whole, WIDE_NR, k / st, st}).permute({0, 2, 1, 3}));
-    if (rest)
-      out.narrow(0, whole * WIDE_NR * k, rest * k).view({k / st, rest, st})
-          .copy_(w.narrow(0, whole * WIDE_NR, rest).view({rest, k / st, st}).permute({1, 0, 2}));
+  if (const int64_t st = wide_panels(w)) {
+    const auto src = w.contiguous();
+    wide_pack(static_cast<const uint32_t*>(src.data_ptr()), n, k / st, static_cast<uint32_t*>(out.data_ptr()));
     return out.view({n, k});
   }
 #endif
