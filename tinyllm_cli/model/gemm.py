@@ -162,7 +162,11 @@ def pack_linears(model: nn.Module, gemm: str) -> None:
     ('panel', 'onednn' or 'onednn-f32'; 'torch' keeps them)."""
     if gemm == "torch":
         return
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, linear_for(gemm, child.weight, child.bias))
+    # (parent, name) pairs, not the modules: each nn.Linear (and its weight, where nothing else
+    # holds it) is freed as soon as its packed replacement is in, not after the last one.
+    targets = [(parent, name) for parent in model.modules()
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+    for parent, name in targets:
+        child = getattr(parent, name)
+        setattr(parent, name, linear_for(gemm, child.weight, child.bias))
+        del child

@@ -281,12 +281,17 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:4])}")
     install_quantized(model, quantized, state, device, int8_activations)
+    kept_quantized = bool(quantized)
+    # From here the model holds the only references to the fused tensors (Q/K/V, gate/up), so the
+    # cast and the packing below free each one as they replace it (pack_linears): the 1.5b shape's
+    # bfloat16 load peaked at 8.0 GB of RSS with all of them beside their packed copies, now 6.4.
+    del state, quantized
     model = model.to(device=device, dtype=dtype)
     model.inv_freq = model.inv_freq.float()
     model = model.eval().requires_grad_(False)
     model.gemm = resolve_gemm(gemm, dtype, torch.device(device))
     pack_linears(model, model.gemm)
-    model.quant = "gguf" if quantized else "none"
+    model.quant = "gguf" if kept_quantized else "none"
     model.int8_activations = any(getattr(m, "int8", False) for m in model.modules())
     use_native_ops(model, native.load() if torch.device(device).type == "cpu" else False)
     return model
