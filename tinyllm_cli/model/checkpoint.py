@@ -376,7 +376,7 @@ def _quantized(t, name: str, heads: int | None):
     q = from_gguf(t.data, t.tensor_type.name, n, k)
     if q is None:
         return None
-    return q if heads is None else q.rows(lambda r: torch.from_numpy(_unpermute(r.numpy(), heads).copy()))
+    return q if heads is None else q.rows(lambda r: _unpermute(r, heads).contiguous())
 
 
 def _first_line(e: BaseException) -> str:
