@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -38,7 +37,7 @@ from tqdm import tqdm
 from ..errors import CheckpointError, UsageError
 from . import hub
 from .llama import ModelConfig
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, as_torch
 from .quant import from_gguf, held_bytes, is_quantized
 from .safetensors_file import DTYPES, StTensor, read_header
 from .tokenizer import Tokenizer, bpe_from_gguf
@@ -341,10 +340,7 @@ def _float_tensor(t, dtype: torch.dtype | None) -> torch.Tensor | None:
     if stored is None:
         return None
     target = dtype if dtype is not None and dtype.is_floating_point else torch.float32
-    raw = t.data.view(np.int16) if stored is torch.bfloat16 else t.data  # bfloat16 arrives as bytes
-    with warnings.catch_warnings():  # a view of the read-only mapping, only read: the copy below is the weight
-        warnings.simplefilter("ignore", UserWarning)
-        view = torch.from_numpy(raw)
+    view = as_torch(t.data.view(np.int16) if stored is torch.bfloat16 else t.data)  # bfloat16 arrives as bytes
     if stored is torch.bfloat16:
         view = view.view(torch.bfloat16)
     return view.reshape(tuple(int(x) for x in reversed(t.shape))).to(target, copy=True)

@@ -59,7 +59,6 @@ an odd shape stays dequantized instead of failing).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -69,6 +68,7 @@ from torch import Tensor, nn
 
 from .. import kernels as native
 from ..machine import has_amx
+from .gguf_file import as_torch
 
 GROUP = 32
 ACT_DTYPE = torch.bfloat16
@@ -174,9 +174,7 @@ def from_gguf(raw: np.ndarray, kind: str, n: int, k: int) -> QuantWeight | Int8R
     no exact int4 / int8 form for the type or shape (``gguf_form``)."""
     if gguf_form(kind, n, k) is None:
         return None
-    with warnings.catch_warnings():  # torch warns on a read-only array; nothing here writes to it
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.from_numpy(np.asarray(raw, dtype=np.uint8))
+    raw = as_torch(np.asarray(raw, dtype=np.uint8))
     if kind == "Q8_0":
         b = raw.reshape(n, k // 32, 34)
         w = (_f16(b, 0)[..., None] * b[..., 2:].contiguous().view(torch.int8).float()).reshape(n, k)
