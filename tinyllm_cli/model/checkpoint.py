@@ -37,8 +37,8 @@ from tqdm import tqdm
 from ..errors import CheckpointError, UsageError
 from . import hub
 from .llama import ModelConfig
-from .gguf_file import GGUFFile, as_torch
-from .quant import from_gguf, held_bytes, is_quantized
+from .gguf_file import GGUFFile
+from .quant import as_torch, from_gguf, held_bytes, is_quantized
 from .safetensors_file import DTYPES, StTensor, read_header
 from .tokenizer import Tokenizer, bpe_from_gguf
 from .validate import BadCheckpoint, Entry, check_memory, check_table, expected_shape, two_sizes, weight_path

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import math
 import struct
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .validate import check_ranges
@@ -176,12 +174,3 @@ class GGUFFile:
         check_ranges([(name, begin, end)], start, mm.shape[0])  # before frombuffer sees the numbers
         data = np.frombuffer(mm, dtype=dtype, count=count, offset=begin).reshape(rows)
         return Tensor(name, dims, kind, data, begin)
-
-
-def as_torch(data: np.ndarray) -> torch.Tensor:
-    """``data`` (a tensor's bytes in the file's read-only mapping, or any array) as a torch view of
-    the same memory, to read from: torch warns on read-only arrays, and every caller copies what it
-    keeps (a write through the view would fault on the mapping)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(data)

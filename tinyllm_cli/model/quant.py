@@ -59,6 +59,7 @@ an odd shape stays dequantized instead of failing).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -68,7 +69,6 @@ from torch import Tensor, nn
 
 from .. import kernels as native
 from ..machine import has_amx
-from .gguf_file import as_torch
 
 GROUP = 32
 ACT_DTYPE = torch.bfloat16
@@ -126,6 +126,15 @@ def is_quantized(t) -> bool:
 # In torch, not numpy: the same bit operations and float32 products, but vectorized over both
 # threads; in numpy the 1.5b shape's Q4_1 file took 11.9 of its 13.8 s load in these functions
 # (2 Zen 4 cores).
+
+def as_torch(data: np.ndarray) -> Tensor:
+    """``data`` (a GGUF tensor's bytes in the file's read-only mapping, or any array) as a torch
+    view of the same memory, to read from: torch warns on read-only arrays, and every caller copies
+    what it keeps (a write through the view would fault on the mapping)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(data)
+
 
 def _f16(raw: Tensor, col: int) -> Tensor:
     """The float16 at byte ``col`` of every block row of ``raw`` [rows, blocks, bytes], as float32."""
