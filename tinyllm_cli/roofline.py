@@ -31,6 +31,9 @@ Invariants:
 - The roofline time of a workload (``workload_bound_s``) is a sum over those phases of the slower
   of FLOPs at the peak and bytes at the bandwidth: no engine can take less on this machine, so
   bound / elapsed is how close a run came to it (100% only if every forward ran at its limit).
+  One exception, tinyllm's own: greedy steps of a float32 model with a screened head
+  (``model/greedy_head.py``) read the output matrix in bfloat16 and compute it at the bfloat16
+  rate, so they do less than the work counted here (which stays the model's, as for every engine).
 - The peak is a microbenchmark in this process: the best matmul rate of ``F.linear``, of the
   resolved packed linear (oneDNN or tinyllm's panels, where usable) and, for a model with 4-bit
   weights on tinyllm's kernel, of that kernel in the model's activation mode (``q4`` or

@@ -113,18 +113,20 @@ class Runtime:
     workers: int = 1  # engines serving the run (Ray workers, or 1 in-process)
     drafts: dict = field(default_factory=dict)  # draft models by spec and form, loaded once (speculative: draft)
     int8_activations: bool = False  # the 4-bit matmuls quantize their input (quant_activations)
+    greedy_screen: bool = False  # greedy rows find their argmax through a bfloat16 screen (model/greedy_head.py)
 
     def facts(self) -> dict:
         """What ran, for stats files and bench rows (the same keys in-process and on a cluster)."""
         return {"model": self.model_name, "load_s": round(self.load_s, 3),
                 "dtype": str(self.dtype).removeprefix("torch."), "gemm": self.gemm, "quant": self.quant,
-                "int8_activations": self.int8_activations,
+                "int8_activations": self.int8_activations, "greedy_screen": self.greedy_screen,
                 "native_kernels": self.native_kernels, "device": str(self.device), "num_workers": self.workers}
 
     def describe(self) -> str:
         """What ran, for table titles: model · dtype · matmul path · device (x workers)."""
         quant = " · int4/int8 weights" if self.quant != "none" else ""
         quant += " · int8 activations" if self.int8_activations else ""
+        quant += " · screened greedy head" if self.greedy_screen else ""
         where = f"{self.device} x {self.workers} Ray workers" if self.workers > 1 else str(self.device)
         return f"{self.model_name} · {str(self.dtype).removeprefix('torch.')} · gemm {self.gemm}{quant} · {where}"
 
@@ -133,14 +135,14 @@ class Runtime:
                  load_s: float) -> "Runtime":
         return cls(model.cfg, ck.tokenizer, ck.name, device, dtype, model.gemm, model.quant,
                    bool(getattr(model, "native", False)), load_s, model=model,
-                   int8_activations=model.int8_activations)
+                   int8_activations=model.int8_activations, greedy_screen=model.greedy_screen is not None)
 
     @classmethod
     def of_workers(cls, ck: Checkpoint, facts: dict, workers: int, load_s: float) -> "Runtime":
         """The driver's view of a pool whose first worker reported ``facts`` (its own ``facts()``)."""
         return cls(ck.config, ck.tokenizer, ck.name, torch.device(facts["device"]), DTYPES[facts["dtype"]],
                    facts["gemm"], facts["quant"], facts["native_kernels"], load_s, workers=workers,
-                   int8_activations=facts["int8_activations"])
+                   int8_activations=facts["int8_activations"], greedy_screen=facts["greedy_screen"])
 
 
 def load_runtime(cfg: Config, progress: bool = True) -> Runtime:

@@ -295,12 +295,19 @@ class LLMEngine(Engine):
         t1 = time.perf_counter()
         samplers, ids, pos, rows, attn, scoring = self._prepare(plan)
         masks = self._start_masks(samplers)  # grammar masks fill while the forward runs
+        # A step whose every row wants only the argmax asks the model for it (no logits): the
+        # same tokens, and a float32 head may find them reading half its weights (greedy_head.py).
+        greedy = masks is None and not scoring.rows and sampler.argmax_only(samplers)
         t2 = time.perf_counter()
-        logits = self.model(ids, pos, attn, rows)
+        out = self.model(ids, pos, attn, rows, greedy=greedy)
         t3 = time.perf_counter()
-        if masks is not None:
-            self._apply_masks(logits, masks)
-        tokens, logprobs, argmax = self._sample(logits, samplers, scoring, sum(1 + len(d) for _, d in plan.verify))
+        if greedy:
+            both = out.tolist()
+            tokens, logprobs, argmax = both[:len(samplers)], [None] * len(samplers), both[len(samplers):]
+        else:
+            if masks is not None:
+                self._apply_masks(out, masks)
+            tokens, logprobs, argmax = self._sample(out, samplers, scoring, sum(1 + len(d) for _, d in plan.verify))
         t4 = time.perf_counter()
         clock["prepare"] += t2 - t1
         clock["forward"] += t3 - t2
@@ -392,7 +399,7 @@ class LLMEngine(Engine):
         ptable = None
         if scoring.rows:
             ptable = sampler.logprob_table(logits[n:n + ns], to_device(scoring.targets, logits.device), pk)
-        argmax = sampler.greedy(logits[n + ns:]) if n_verify else None
+        argmax = sampler.argmax(logits[n + ns:]) if n_verify else None
         if table is None and ptable is None:
             if argmax is None:
                 return (tokens.tolist() if n else []), [None] * n, []

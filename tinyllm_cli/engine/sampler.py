@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import kernels as native
+from ..model.greedy_head import argmax
 from ..transfer import to_device
 from .request import Sequence
 
@@ -114,21 +114,19 @@ def draw(probs: Tensor, ids: Tensor | None, seqs: list[Sequence], vocab: int) ->
     return ids.gather(-1, best)[:, 0]
 
 
-def greedy(logits: Tensor) -> Tensor:
-    """``logits.argmax(-1)`` of [B, V] logits, the same indices (the first maximum; a NaN is the
-    maximum). Float32 logits on the CPU take tinyllm's vectorized kernel: torch's argmax reads
-    ~2.4 floats a nanosecond there, 0.66 ms of a 32-row decode step's ~30 at a 49k vocabulary."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.stride(-1) == 1 and logits.shape[-1] > 0 and native.load()):
-        return native.argmax(logits)
-    return logits.argmax(-1)
+def argmax_only(seqs: list[Sequence]) -> bool:
+    """Whether ``sample`` would take every row's token as the plain argmax of its logits, and
+    nothing else reads them: greedy, no repetition penalty, no log-probabilities. Such a step can
+    ask the model for the argmax alone (``LlamaModel.forward(greedy=True)``)."""
+    return all(p.greedy and p.repetition_penalty == 1.0 and p.num_logprobs is None
+               for p in (s.request.params for s in seqs))
 
 
 def sample(logits: Tensor, seqs: list[Sequence]) -> Tensor:
     """logits [B, V] float32 for ``seqs`` (same order) -> token ids [B] (on device). Sampled rows
     go in two groups, so rows that rank tokens never force a sort on rows that do not."""
     apply_repetition_penalty(logits, seqs)
-    tokens = greedy(logits)
+    tokens = argmax(logits)
     sampled = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
     for ranked in (False, True):
         rows = [i for i in sampled if _ranks_tokens(seqs[i].request.params, logits.shape[-1]) == ranked]

@@ -36,13 +36,12 @@ from ..cache.kv import PagedKVCache
 from ..model.llama import LlamaModel
 from ..transfer import to_device
 from .request import Sequence, Status
-from .sampler import greedy
+from .sampler import argmax_only
 
 
 def can_speculate(s: Sequence) -> bool:
     """Greedy, unpenalised, unconstrained, no log-probabilities: verification by argmax is exact."""
-    p = s.request.params
-    return p.greedy and p.repetition_penalty == 1.0 and p.num_logprobs is None and s.grammar is None
+    return argmax_only([s]) and s.grammar is None
 
 
 def accepted_prefix(drafts: list[int], argmax: list[int]) -> int:
@@ -147,14 +146,14 @@ class ModelDrafter:
             rows.append(len(ids) - 1)
             chunks.append((s.seq_id, start, n - start))
         attn = cache.plan_step([], chunks)
-        tok = greedy(self.model(to_device(ids, dev), to_device(pos, dev), attn, to_device(rows, dev)))
+        tok = self.model(to_device(ids, dev), to_device(pos, dev), attn, to_device(rows, dev), greedy=True)
         steps = [tok]
         for j in range(1, caps[0]):
             m = sum(c > j for c in caps)
             sids = [s.seq_id for s in seqs[:m]]
             pos = [s.num_tokens + j - 1 for s in seqs[:m]]
             attn = cache.plan_step(sids, [])
-            tok = greedy(self.model(tok[:m], to_device(pos, dev), attn))
+            tok = self.model(tok[:m], to_device(pos, dev), attn, greedy=True)
             steps.append(tok)
         return steps
 

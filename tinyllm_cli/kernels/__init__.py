@@ -341,6 +341,14 @@ def panel_linear(x, w, bias=None):
     return torch.ops.tinyllm.panel_linear(x, w, bias)
 
 
+def panel_argmax(x, w, ws, rows, norms):
+    """argmax over the columns of ``panel_linear(x, w)`` (float32 x and w, no bias), the same index,
+    screened through ``ws`` (w in bfloat16, packed alike), ``rows`` (w unpacked, [N, K] float32)
+    and ``norms`` (each output's weight norm, rounded up): see cpu_kernels.cpp and
+    model/greedy_head.py. Needs ``panel_isa()`` '-bf16'."""
+    return torch.ops.tinyllm.panel_argmax(x, w, ws, rows, norms)
+
+
 def argmax(x):
     """x [R, N] float32 with contiguous rows -> [R] int64: ``torch.argmax(x, -1)`` (first index of
     the maximum; a NaN is the maximum), vectorized and split over threads."""

@@ -1668,6 +1668,120 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// ---- greedy rows through a screened output matrix -----------------------------------------
+//
+// argmax_j of (x @ w^T)[r, j] for every row r: the same index as row_argmax over the float32
+// logits panel_linear(x, w) gives (the first maximum), reading a bfloat16 copy of w (ws) and a
+// few of w's columns instead of all of w. On CPUs with bfloat16 dot products that is half the
+// bytes and half the FMA time of the output matrix, the largest matmul of a small model's decode
+// step (model/greedy_head.py says when it is used).
+// 1. screen: s = panel_linear(x, ws): x rounded to bfloat16, products exact, float32 sums.
+// 2. bound: with L_j the float32 logit panel_linear(x, w) computes (an fma chain over k in order)
+//    and S_j = sum_k |x_k w_kj| <= ||x|| ||w_j|| (Cauchy-Schwarz),
+//      |L_j - s_j| <= (2u + u^2) S_j          x and w rounded to bfloat16 (u = 2^-8)
+//                     + 2.01 gamma_K S_j       both float32 sums (gamma_K ~ K 2^-24: at most K roundings each)
+//                     + K 2^-124 (1 + ||w_j||) subnormals flushed to zero by vdpbf16ps
+//    so e_j = C ||x|| ||w_j|| + K 2^-124 (1 + ||w_j||) with C = 2^-7 + 2^-15 + 3 K 2^-24 bounds
+//    it (norms[j] >= ||w_j||, rounded up when stored). T = max_j (s_j - e_j) is at most some L_m;
+//    every j with s_j + e_j < T has L_j < L_m, so only the others (candidates) can hold the
+//    maximum, and every index that holds it is a candidate. The selection runs in float64, far
+//    inside the bound's slack.
+// 3. the candidates' L_j exactly as the float32 tile computes them (acc = fma(x_k, w_kj, acc)
+//    for k in order from zero, then + 0: wide_tile's chain), read from w's packed panels; the
+//    first maximum among them in index order.
+// A row takes its full float32 logits and row_argmax instead when the bound cannot be trusted
+// (x not finite, or ||x|| max ||w_j|| >= 2^100, where a float32 partial sum might overflow), or
+// when more than 1/64 of the vocabulary are candidates (flat logits: the gather would cost more).
+// No bias: model/greedy_head.py screens bias-free heads only.
+at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws, const at::Tensor& rows,
+                        const at::Tensor& norms) {
+#if defined(TINYLLM_PANEL_WIDE) && defined(__AVX512BF16__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+              ws.scalar_type() == at::kBFloat16 && rows.scalar_type() == at::kFloat && norms.scalar_type() == at::kFloat,
+              "panel_argmax: float32 x, w and rows, bfloat16 ws, float32 norms");
+  TORCH_CHECK(w.sizes() == ws.sizes() && w.sizes() == rows.sizes() && norms.numel() == w.size(0) &&
+              x.size(1) == w.size(1) && w.is_contiguous() && ws.is_contiguous() && rows.is_contiguous() &&
+              norms.is_contiguous() && wide_panels(ws) == 2,
+              "panel_argmax: w, ws (packed) and rows [N, K] alike (K even), one norm per output");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(k < (int64_t{1} << 16), "panel_argmax: K must be below 65536");
+  auto out = at::empty({m}, x.options().dtype(at::kLong));
+  if (m == 0) return out;
+  const auto xc = x.contiguous();
+  const auto s = panel_linear(xc, ws, std::nullopt);  // [M, N] float32 screen
+  const float* xp = xc.data_ptr<float>();
+  const float* sp = s.data_ptr<float>();
+  const float* rp = rows.data_ptr<float>();
+  const float* np = norms.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  float max_norm = 0.0f;
+  for (int64_t j = 0; j < n; ++j) max_norm = std::max(max_norm, np[j]);
+  const double c = std::ldexp(1.0, -7) + std::ldexp(1.0, -15) + 3.0 * k * std::ldexp(1.0, -24);
+  const float tiny = static_cast<float>(k * std::ldexp(1.0, -124));
+  std::vector<uint8_t> full(m, 0);
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> cand;
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * k;
+      const float* sr = sp + r * n;
+      double ss = 0.0;
+      for (int64_t i = 0; i < k; ++i) ss += double(xr[i]) * xr[i];
+      const double nx = std::sqrt(ss) * (1.0 + 1e-12);
+      if (!(std::isfinite(nx) && nx * max_norm < std::ldexp(1.0, 100))) {
+        full[r] = 1;
+        continue;
+      }
+      // e_j = a ||w_j|| + tiny, in float32: each rounding here is below 2^-16 e_j (|s_j| <= 1.01
+      // ||x|| ||w_j|| <= 2^7.1 e_j), inside the 2^-8 e_j of slack C carries.
+      const float a = static_cast<float>((c * nx + tiny) * (1.0 + 1e-6));
+      const __m512 av = _mm512_set1_ps(a), tv = _mm512_set1_ps(tiny);
+      __m512 tm = _mm512_set1_ps(-INFINITY);
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16)
+        tm = _mm512_max_ps(tm, _mm512_sub_ps(_mm512_loadu_ps(sr + j), _mm512_fmadd_ps(av, _mm512_loadu_ps(np + j), tv)));
+      float t = _mm512_reduce_max_ps(tm);
+      for (int64_t i = j; i < n; ++i) t = std::max(t, sr[i] - (a * np[i] + tiny));
+      cand.clear();
+      const __m512 tb = _mm512_set1_ps(t);
+      for (j = 0; j + 16 <= n; j += 16) {
+        const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(sr + j), _mm512_fmadd_ps(av, _mm512_loadu_ps(np + j), tv));
+        for (uint32_t mk = _mm512_cmp_ps_mask(hi, tb, _CMP_GE_OQ); mk; mk &= mk - 1) cand.push_back(j + __builtin_ctz(mk));
+      }
+      for (int64_t i = j; i < n; ++i)
+        if (sr[i] + (a * np[i] + tiny) >= t) cand.push_back(i);
+      if (!(t > -INFINITY) || int64_t(cand.size()) * 64 > n) {  // a NaN screen, or flat logits
+        full[r] = 1;
+        continue;
+      }
+      int64_t best = -1;
+      float best_v = 0.0f;
+      for (const int64_t j : cand) {
+        const float* wr = rp + j * k;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < k; ++i) acc = std::fma(xr[i], wr[i], acc);
+        acc += 0.0f;
+        if (best < 0 || acc > best_v) {
+          best = j;
+          best_v = acc;
+        }
+      }
+      op[r] = best;
+    }
+  });
+  std::vector<int64_t> rest;
+  for (int64_t r = 0; r < m; ++r)
+    if (full[r]) rest.push_back(r);
+  if (!rest.empty()) {
+    const auto idx = at::tensor(rest, out.options());
+    const auto logits = panel_linear(xc.index_select(0, idx), w, std::nullopt);
+    for (size_t i = 0; i < rest.size(); ++i) op[rest[i]] = row_argmax(logits.data_ptr<float>() + i * n, n);
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "panel_argmax needs a build with AVX-512 and AVX512-BF16");
+#endif
+}
+
 // ---- the 4-bit matmul on float32 FMAs (CPUs without AVX512-BF16) ---------------------------
 //
 // Without bfloat16 dot instructions (AVX2 CPUs such as AMD Zen 2/3, AVX-512 without BF16 such as
@@ -2600,6 +2714,7 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def("panel_isa() -> str", &panel_isa);
   m.def("panel_pack(Tensor w) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");  // no tensor to dispatch on: one kernel for every key
+  m.def("panel_argmax(Tensor x, Tensor w, Tensor ws, Tensor rows, Tensor norms) -> Tensor");
   m.def("decoder_layer(Tensor(a!) x, Tensor? r, Tensor[] weights, int[] kinds, Tensor?[] aux, Tensor?[] biases, "
         "Tensor input_norm, Tensor post_norm, float eps, Tensor cos, Tensor sin_signed, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor row_seq, Tensor row_len, "
@@ -2625,6 +2740,7 @@ TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {
   m.impl("int8_q8_linear_portable", &int8_q8_linear_portable);
   m.impl("panel_pack", &panel_pack);
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_argmax", &panel_argmax);
 }
 
 // oneDNN's packed weights are MkldnnCPU tensors, and the dispatcher routes a call by its

@@ -14,6 +14,8 @@ Invariants:
   K/V wherever it likes and returns the attention output for the same T tokens.
 - Only the rows in ``logits_index`` go through the output projection: during prefill that is the
   last token of each sequence, which saves the (large) vocabulary matmul for every other token.
+  With ``greedy`` the forward returns those rows' argmax instead of their logits, the same ids
+  (``greedy_head.py``: a float32 head may find them without reading all of its weights).
 - Q/K/V and gate/up are fused into one matmul each at load time (``fuse_weights``).
 - On CPU the weight matmuls run through oneDNN with pre-packed weights (``gemm.py``) unless
   ``gemm='torch'``; ``model.gemm`` says which path a loaded model uses.
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 
 from .. import kernels as native
 from .gemm import PackedLinear, PanelLinear, pack_linears, resolve_gemm
+from .greedy_head import head_argmax, screen_for
 from . import quant as quant_forms
 from .quant import Int4Linear, Int8Embedding, Int8Head, Int8Rows, Q4Linear, QuantWeight, int4_linear, is_quantized
 
@@ -224,6 +227,7 @@ class LlamaModel(nn.Module):
         self.gemm = "torch"
         self.native = False  # see use_native_ops
         self.quant = "none"  # 'gguf' when some weights are held quantized (quant.py)
+        self.greedy_screen = None  # greedy_head.GreedyScreen where the head has one
         self.int8_activations = False  # whether the 4-bit matmuls quantize their input (quant.py)
 
     @property
@@ -245,9 +249,11 @@ class LlamaModel(nn.Module):
         return cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, attn: Attention, logits_index: Tensor | None = None
+        self, input_ids: Tensor, positions: Tensor, attn: Attention, logits_index: Tensor | None = None,
+        greedy: bool = False,
     ) -> Tensor:
-        """Packed forward: returns float32 logits for the rows in ``logits_index`` (all if None)."""
+        """Packed forward: returns float32 logits for the rows in ``logits_index`` (all if None), or
+        with ``greedy`` their argmax, int64 token ids (``greedy_head.head_argmax``: the same ids)."""
         x, r = self.embed(input_ids), None
         cos, sin = self.rope(positions)
         # Native path with the paged kernel: each layer is one kernel call (DecoderLayer.fused).
@@ -260,7 +266,8 @@ class LlamaModel(nn.Module):
         if logits_index is not None:
             x = x.index_select(0, logits_index)
             r = None if r is None else r.index_select(0, logits_index)
-        return self.lm_head(add_norm(x, r, self.norm, self.native)).float()
+        h = add_norm(x, r, self.norm, self.native)
+        return head_argmax(self, h) if greedy else self.lm_head(h).float()
 
 
 def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype, device: str,
@@ -290,6 +297,7 @@ def build_model(cfg: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype
     model.inv_freq = model.inv_freq.float()
     model = model.eval().requires_grad_(False)
     model.gemm = resolve_gemm(gemm, dtype, torch.device(device))
+    model.greedy_screen = screen_for(model, model.gemm)  # from the head's weight, before it is packed
     pack_linears(model, model.gemm)
     model.quant = "gguf" if kept_quantized else "none"
     model.int8_activations = any(getattr(m, "int8", False) for m in model.modules())
