@@ -11,7 +11,7 @@ import torch
 
 from tinyllm_cli import kernels as native
 from tinyllm_cli.engine.request import SamplingParams
-from tinyllm_cli.model.greedy_head import GreedyScreen, argmax, head_argmax
+from tinyllm_cli.model.greedy_head import GreedyScreen, argmax, head_argmax, row_norms
 
 from tinyllm_cli.cache.kv import PagedKVCache
 
@@ -27,7 +27,7 @@ def _reference(x, packed):
 
 
 def _check(w, x):
-    screen = GreedyScreen(w)
+    screen = GreedyScreen(w, row_norms(w))
     packed = native.panel_pack(w.contiguous())
     got = native.panel_argmax(x, packed, screen.packed, screen.rows, screen.norms)
     ref = _reference(x, packed)
@@ -100,6 +100,11 @@ def test_flat_huge_and_non_finite_rows_take_the_full_logits():
     x[4, :] = 1e-41  # subnormal inputs (vdpbf16ps flushes them)
     got = _check(w, x)
     assert got[0] == 7
+    # An input near float32's largest (bfloat16 rounding could overflow) against tiny weights.
+    tiny = torch.randn(vocab, hidden, generator=g) * 1e-33
+    x2 = torch.randn(2, hidden, generator=g)
+    x2[0, 3] = 3.4e38
+    _check(tiny, x2)
 
 
 @needs_screen
@@ -148,3 +153,29 @@ def test_engine_greedy_tokens_do_not_depend_on_the_screen(tiny_model):
     assert with_screen == without
     assert [t for t, _ in with_screen[0]] == [reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens)
                                              for r in greedy]
+
+
+@needs_screen
+def test_no_screen_for_a_head_it_cannot_bound():
+    """A non-finite weight, a bias, a bfloat16 head or another matmul path: no screen (the
+    model's greedy forward is then the argmax of its logits)."""
+    from torch import nn
+
+    from tinyllm_cli.model.greedy_head import screen_for
+
+    def holder(weight, bias=False):
+        m = nn.Module()
+        m.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
+        m.lm_head.weight = nn.Parameter(weight, requires_grad=False)
+        return m
+
+    w = torch.randn(500, 64)
+    assert screen_for(holder(w), "panel") is not None
+    bad = w.clone()
+    bad[123, 7] = float("nan")
+    assert screen_for(holder(bad), "panel") is None
+    bad[123, 7] = float("inf")
+    assert screen_for(holder(bad), "panel") is None
+    assert screen_for(holder(w, bias=True), "panel") is None
+    assert screen_for(holder(w.bfloat16()), "panel") is None
+    assert screen_for(holder(w), "onednn") is None

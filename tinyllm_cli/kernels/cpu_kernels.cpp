@@ -1690,7 +1690,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 //    for k in order from zero, then + 0: wide_tile's chain), read from w's packed panels; the
 //    first maximum among them in index order.
 // A row takes its full float32 logits and row_argmax instead when the bound cannot be trusted
-// (x not finite, or ||x|| max ||w_j|| >= 2^100, where a float32 partial sum might overflow), or
+// (x not finite, ||x|| >= 2^120, where rounding to bfloat16 might overflow, or ||x|| max ||w_j||
+// >= 2^100, where a float32 partial sum might), or
 // when more than 1/64 of the vocabulary are candidates (flat logits: the gather would cost more).
 // No bias: model/greedy_head.py screens bias-free heads only.
 at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ws, const at::Tensor& rows,
@@ -1727,7 +1728,7 @@ at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tens
       double ss = 0.0;
       for (int64_t i = 0; i < k; ++i) ss += double(xr[i]) * xr[i];
       const double nx = std::sqrt(ss) * (1.0 + 1e-12);
-      if (!(std::isfinite(nx) && nx * max_norm < std::ldexp(1.0, 100))) {
+      if (!(nx < std::ldexp(1.0, 120) && nx * max_norm < std::ldexp(1.0, 100))) {
         full[r] = 1;
         continue;
       }
