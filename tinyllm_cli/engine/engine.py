@@ -9,6 +9,9 @@ Invariants:
   whole KV pool) becomes an error output straight away; the others go on.
 - One host sync per step (the sampled ids, and in the same transfer every log-probability the
   step's requests asked for), none per row.
+- A step whose every row is greedy with nothing else read from its logits (``sampler.argmax_only``,
+  no grammar, no prompt scoring) asks the model for the argmax alone (``forward(greedy=True)``):
+  the same tokens, without logits (``model/greedy_head.py``).
 - A request with ``n`` > 1 prefills its prompt once: the step that completes the prompt samples
   n tokens from its last row (one per fork, each from its own seed) and forks the sequence; its
   output is built when the last of its n sequences finishes.
