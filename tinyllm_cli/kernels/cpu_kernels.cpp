@@ -1684,11 +1684,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 //    so e_j = C ||x|| ||w_j|| + K 2^-124 (1 + ||w_j||) with C = 2^-7 + 2^-15 + 3 K 2^-24 bounds
 //    it (norms[j] >= ||w_j||, rounded up when stored). T = max_j (s_j - e_j) is at most some L_m;
 //    every j with s_j + e_j < T has L_j < L_m, so only the others (candidates) can hold the
-//    maximum, and every index that holds it is a candidate. The selection runs in float64, far
-//    inside the bound's slack.
+//    maximum, and every index that holds it is a candidate. The selection runs in float32; its
+//    roundings stay far inside the bound's slack (see the loop).
 // 3. the candidates' L_j exactly as the float32 tile computes them (acc = fma(x_k, w_kj, acc)
-//    for k in order from zero, then + 0: wide_tile's chain), read from w's packed panels; the
-//    first maximum among them in index order.
+//    for k in order from zero, then + 0: wide_tile's chain), read from rows (w unpacked, one
+//    contiguous row per candidate); the first maximum among them in index order. w's packed
+//    panels serve only the rows that take their full logits.
 // A row takes its full float32 logits and row_argmax instead when the bound cannot be trusted
 // (x not finite, ||x|| >= 2^120, where rounding to bfloat16 might overflow, or ||x|| max ||w_j||
 // >= 2^100, where a float32 partial sum might), or
