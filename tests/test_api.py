@@ -88,6 +88,67 @@ def test_settings_are_validated_like_yaml_keys(llama_dir):
         llm.generate([[5, 6]])
 
 
+@pytest.mark.parametrize("cache,attention", [("paged", "kernel"), ("paged", "gather"), ("slot", "auto")])
+def test_reconfigure_takes_the_closed_pools_and_reads_nothing_they_held(llama_dir, cache, attention):
+    """A reconfigured engine runs on the pools the closed one left (PoolMemory: no fresh pages to
+    fault in), and nothing they held reaches it: the old pools are filled with NaN before the
+    handover, and the outputs (sampled, with log-probabilities) equal a fresh LLM's, bit for bit."""
+    first = [[5 + i, 9, 11, 13 + i, 2] * (1 + i % 3) for i in range(6)]
+    prompts = [[7, 8 + i, 3, 4] * (1 + i % 2) for i in range(5)]
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, ignore_eos=True, logprobs=2)
+    settings = dict(block_size=4, kv_memory="2MiB", cache=cache, attention=attention, seed=3, progress=False)
+    with LLM(str(llama_dir), **settings) as fresh:
+        want = fresh.generate(prompts, params, use_tqdm=False)
+    with LLM(str(llama_dir), **settings) as llm:
+        llm.generate(first, params, use_tqdm=False)
+        old = llm.engine.cache
+        k_ptr = old.k.data_ptr()
+        old.k.fill_(float("nan"))
+        old.v.fill_(float("nan"))
+        llm.reconfigure()
+        new = llm.engine.cache
+        assert not old.has_tensors and new.k.data_ptr() == k_ptr  # the same memory, one live owner
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+
+
+def test_a_failed_reconfigure_leaves_the_llm_as_it_was(llama_dir):
+    with LLM(str(llama_dir), block_size=4, kv_memory="2MiB", max_new_tokens=4, ignore_eos=True, progress=False) as llm:
+        want = [o.token_ids for o in llm.generate([[5, 6, 7]], use_tqdm=False)]
+        with pytest.raises(UsageError, match="holds no block"):
+            llm.reconfigure(kv_memory="1KiB")
+        assert llm.config.cache.kv_memory == "2MiB" and llm.engine.cache.has_tensors
+        assert [o.token_ids for o in llm.generate([[5, 6, 7]], use_tqdm=False)] == want
+
+
+def test_engines_alive_together_never_share_pools(llama_dir):
+    from tinyllm_cli.runtime import make_engine
+    with LLM(str(llama_dir), kv_memory="2MiB", progress=False) as llm:
+        rt = llm.runtime
+        llm.engine.close()  # its pools become the spare
+        a, b = make_engine(llm.config, rt), make_engine(llm.config, rt)  # the first takes them, the second cannot
+        assert a.cache.k.data_ptr() != b.cache.k.data_ptr() and rt.pool_memory.held_bytes == 0
+        nbytes = 2 * b.cache.k.numel() * b.cache.k.element_size()
+        b.close()
+        assert rt.pool_memory.held_bytes == nbytes and not b.cache.has_tensors
+        a.close()
+        llm.engine = make_engine(llm.config, rt)
+    assert rt.pool_memory.held_bytes == 0  # LLM.close frees the spare
+
+
+def test_an_auto_pool_counts_the_spare_pools_as_available(llama_dir, monkeypatch):
+    import tinyllm_cli.runtime as runtime
+    from tinyllm_cli.runtime import kv_budget
+    with LLM(str(llama_dir), progress=False) as llm:
+        cfg, rt = llm.config, llm.runtime
+        need = kv_budget(cfg, rt.model_cfg, rt.dtype, rt.device).bytes
+    monkeypatch.setattr(runtime, "available_memory", lambda device: need)  # capped: the fraction of it
+    capped = kv_budget(cfg, rt.model_cfg, rt.dtype, rt.device)
+    assert capped.bytes < need and "capped" in capped.how
+    assert kv_budget(cfg, rt.model_cfg, rt.dtype, rt.device, held=need).bytes > capped.bytes
+
+
 def test_bad_prompts_are_error_outputs_and_the_rest_run(llama_dir):
     with LLM(str(llama_dir), max_new_tokens=3, ignore_eos=True, progress=False) as llm:
         outs = llm.generate([[5, 6], {"prompt_token_ids": [99999]}, {"prompt": 7}, [7, 8]], use_tqdm=False)

@@ -91,7 +91,9 @@ class EngineWorker:
                 "threads": torch.get_num_threads()} | self.rt.facts()
 
     def reset(self, cfg: Config) -> None:
-        """A fresh engine (new KV pool, empty scheduler) for another run on the same model."""
+        """A fresh engine (new KV pool, empty scheduler) for another run on the same model; the old
+        one is closed first, so the new pool can take its memory (``PoolMemory``)."""
+        self.engine.close()
         self.cfg = cfg
         self.engine = make_engine(cfg, self.rt)
 

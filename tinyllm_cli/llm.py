@@ -79,11 +79,15 @@ class LLM:
         if changed or cfg.parallel != self.config.parallel:
             what = changed[0] if changed else "the parallel settings"
             raise UsageError(f"{what!r} cannot change on a live LLM; make a new LLM for it")
-        self.engine.close()
+        self.engine.close()  # its KV pools go to the runtime's PoolMemory, for the new engine to take
         if self._pool is not None:
             self._pool.reset(cfg)
+        try:
+            self.engine = self._new_engine(cfg)
+        except BaseException:
+            self.engine = self._new_engine(self.config)  # the settings it had, so the LLM stays usable
+            raise
         self.config = cfg
-        self.engine = self._new_engine(cfg)
 
     def close(self) -> None:
         """Release the KV pool (and the Ray workers). Safe to call twice."""
@@ -95,6 +99,7 @@ class LLM:
             self._pool.close()
         self.engine = None
         self.runtime.model = None
+        self.runtime.pool_memory.clear()
 
     def __enter__(self) -> "LLM":
         return self

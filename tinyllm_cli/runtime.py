@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache.kv import CacheError, PagedKVCache, SlotKVCache, available_memory, parse_bytes, prefix_salt, token_bytes
+from .cache.kv import (CacheError, PagedKVCache, PoolMemory, SlotKVCache, available_memory, parse_bytes, prefix_salt,
+                       token_bytes)
 from .config import Config, draft_quant
 from .engine.engine import LLMEngine
 from .engine.speculative import ModelDrafter, NgramDrafter, Speculation
@@ -114,6 +115,7 @@ class Runtime:
     drafts: dict = field(default_factory=dict)  # draft models by spec and form, loaded once (speculative: draft)
     int8_activations: bool = False  # the 4-bit matmuls quantize their input (quant_activations)
     greedy_screen: bool = False  # greedy rows find their argmax through a bfloat16 screen (model/greedy_head.py)
+    pool_memory: PoolMemory = field(default_factory=PoolMemory)  # a closed engine's KV pools, for the next one
 
     def facts(self) -> dict:
         """What ran, for stats files and bench rows (the same keys in-process and on a cluster)."""
@@ -174,10 +176,13 @@ class KVBudget:
     how: str  # how it was chosen, for the run table and --stats-json
 
 
-def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVBudget:
+def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+              held: int = 0) -> KVBudget:
     """Bytes of K/V both cache kinds get: num_blocks x block_size tokens when given, else
     kv_memory; ``auto`` (the default) sizes the pool for ``max_num_seqs`` sequences of
-    ``max_model_len`` tokens of this model, capped by the memory actually available."""
+    ``max_model_len`` tokens of this model, capped by the memory actually available: free memory
+    plus ``held``, the pools a closed engine left for the next (``PoolMemory``), so a reconfigured
+    engine gets the pool its settings give on a fresh process."""
     c, per_token = cfg.cache, token_bytes(model_cfg, dtype)
     if c.num_blocks is not None:
         return KVBudget(c.num_blocks * c.block_size * per_token, f"num_blocks {c.num_blocks}")
@@ -186,7 +191,7 @@ def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype, device: t
     max_len = min(c.max_model_len, model_cfg.max_position_embeddings)
     seqs = cfg.scheduler.max_num_seqs
     need = seqs * max_len * per_token
-    avail = available_memory(torch.device(device))
+    avail = available_memory(torch.device(device)) + held
     cap = int(avail * KV_AUTO_FRACTION / cfg.parallel.workers)
     size = max(min(need, cap), max_len * per_token)  # never less than one whole sequence
     how = f"auto: {seqs} seqs x {max_len} tokens x {per_token} B = {need / 2**30:.2f} GiB"
@@ -200,18 +205,19 @@ def make_cache(cfg: Config, rt: Runtime, tensors: bool = True) -> PagedKVCache:
     c, mcfg = cfg.cache, rt.model_cfg
     salt = prefix_salt(mcfg, rt.dtype, rt.describe())  # prefix-cache keys name the model, dtype, gemm, quant
     max_len = min(c.max_model_len, mcfg.max_position_embeddings)
-    budget = kv_budget(cfg, mcfg, rt.dtype, rt.device)
+    memory = rt.pool_memory if tensors else None
+    budget = kv_budget(cfg, mcfg, rt.dtype, rt.device, held=memory.held_bytes if memory else 0)
     try:
         if c.kind == "slot":
             cache = SlotKVCache.from_budget(mcfg, budget.bytes, max_len, rt.dtype, rt.device, attention=c.attention,
-                                            tensors=tensors)
+                                            tensors=tensors, memory=memory)
         elif c.num_blocks is not None:
             cache = PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device, prefix_caching=c.prefix_caching,
-                                 attention=c.attention, salt=salt, tensors=tensors)
+                                 attention=c.attention, salt=salt, tensors=tensors, memory=memory)
         else:
             cache = PagedKVCache.from_budget(mcfg, budget.bytes, c.block_size, rt.dtype, rt.device,
                                              prefix_caching=c.prefix_caching, attention=c.attention, salt=salt,
-                                             tensors=tensors)
+                                             tensors=tensors, memory=memory)
     except CacheError as e:
         raise UsageError(str(e))
     cache.sizing = budget.how
@@ -220,7 +226,8 @@ def make_cache(cfg: Config, rt: Runtime, tensors: bool = True) -> PagedKVCache:
 
 def make_engine(cfg: Config, rt: Runtime) -> LLMEngine:
     """A fresh in-process engine (new KV pool, empty scheduler) on ``rt``'s model; its run seed
-    is ``sampling.seed`` (0 when unset)."""
+    is ``sampling.seed`` (0 when unset). The pool reuses the memory of the last engine closed on
+    ``rt`` where it fits (``PoolMemory``): new contents, no page faults."""
     cache = make_cache(cfg, rt)
     return LLMEngine(rt.model, cache, rt.tokenizer, max_num_seqs=cfg.scheduler.max_num_seqs,
                      max_prefill_tokens=cfg.scheduler.max_prefill_tokens,

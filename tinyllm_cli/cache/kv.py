@@ -16,6 +16,8 @@ Invariants (checked by the property tests):
   slots per sequence stay below ``block_size`` for the paged cache.
 - The scratch block (id ``num_blocks``) is never allocated: padded gather indices point there.
   It is the only part of the pools that is zeroed; every other slot is written before it is read.
+  So a new cache may take a closed cache's pools as they are (``PoolMemory``): never two live
+  caches at once, and no content carried over is ever read.
 - Bookkeeping (tables, lengths, free list) lives on the host as Python lists; the device only
   sees the per-step index tensors built in ``plan_step``, copied once per step, never per row.
 - When a decode step needs more blocks than are free, the *newest* sequences are preempted: they
@@ -98,6 +100,44 @@ def available_memory(device: torch.device) -> int:
         return 1 << 62
 
 
+class PoolMemory:
+    """K/V pool storage handed from a closed cache to the next cache of the same process.
+
+    Why: a new pool is new memory, and each of its pages faults on its first K/V write (on a VM the
+    host may have to back it too), inside the run's timed steps. ``LLM.reconfigure``, every
+    ``bench`` row and a cluster worker's reset build a new cache on the same model; through this,
+    the new cache reuses the closed one's pools (W2 on the default model in float32, fresh pool
+    against reused, 1.03x; docs/performance.md) instead of faulting in the same bytes again.
+
+    Invariants: at most one spare pair is held, and ``take`` empties it, so no two live caches
+    ever share memory; a cache gives its pools back only in ``release_pools`` (its engine's ``close``),
+    after which it has no tensors. Contents are not cleared: every slot is written before it is
+    read (``PagedKVCache``), and the cache that takes the pools zeroes its own scratch slots.
+    """
+
+    def __init__(self) -> None:
+        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the spare pools (counted as available when a new pool is sized)."""
+        return 0 if self._spare is None else 2 * self._spare[0].numel() * self._spare[0].element_size()
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The spare flat K and V storage if it holds ``numel`` elements of ``dtype`` on
+        ``device``, else None (and a spare that does not fit is dropped, freeing it first)."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare[0].dtype != dtype or spare[0].device != device or spare[0].numel() < numel:
+            return None
+        return spare
+
+    def give(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._spare = (k, v)
+
+    def clear(self) -> None:
+        self._spare = None
+
+
 @dataclass
 class CacheUsage:
     """A snapshot for stats; cheap (no device work)."""
@@ -126,7 +166,8 @@ class PagedKVCache:
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, scratch_slots: int | None = None, prefix_caching: bool = False,
-                 attention: str = "auto", salt: bytes | None = None, tensors: bool = True):
+                 attention: str = "auto", salt: bytes | None = None, tensors: bool = True,
+                 memory: PoolMemory | None = None):
         if block_size <= 0 or num_blocks <= 0:
             raise CacheError("block_size and num_blocks must be positive")
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
@@ -143,6 +184,8 @@ class PagedKVCache:
         # tensors=False: bookkeeping only (tables, lengths, free list, prefix cache), no K/V
         # pools; the simulator (sim/) drives the same scheduler decisions with it.
         self.k = self.v = None
+        self.memory = memory  # where release_pools() hands the pools (and where they may come from)
+        self._storage: tuple[torch.Tensor, torch.Tensor] | None = None  # the pools' flat storage
         if tensors:
             self._allocate_tensors(total)
         self.pool = BlockPool(num_blocks, caching=prefix_caching)
@@ -163,20 +206,33 @@ class PagedKVCache:
 
     def _allocate_tensors(self, total: int) -> None:
         cfg = self.cfg
-        need = total * self.bytes_per_token
-        if need > available_memory(self.device):
-            raise CacheError(
-                f"the KV cache needs {need / 2**20:.0f} MiB but only "
-                f"{available_memory(self.device) / 2**20:.0f} MiB are available on {self.device}")
         shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
-        # Uninitialised on purpose: a slot is only ever read after this step or an earlier one
-        # wrote it, so zeroing the whole pool (0.16 s and every page touched for 1 GiB on CPU)
-        # buys nothing. Only the scratch slots are read unwritten (masked padding), and a masked
-        # weight of 0 times a NaN left in memory would still be NaN, so they must be finite.
-        self.k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        numel = math.prod(shape)
+        storage = self.memory.take(numel, self.dtype, self.device) if self.memory is not None else None
+        if storage is None:
+            need = total * self.bytes_per_token
+            if need > available_memory(self.device):
+                raise CacheError(
+                    f"the KV cache needs {need / 2**20:.0f} MiB but only "
+                    f"{available_memory(self.device) / 2**20:.0f} MiB are available on {self.device}")
+            # Uninitialised on purpose: a slot is only ever read after this step or an earlier one
+            # wrote it, so zeroing the whole pool (0.16 s and every page touched for 1 GiB on CPU)
+            # buys nothing; the same holds for pools a closed cache left (PoolMemory).
+            storage = tuple(torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(2))
+        self._storage = storage
+        self.k, self.v = (t[:numel].view(shape) for t in storage)
+        # Only the scratch slots are read unwritten (masked padding), and a masked weight of 0
+        # times a NaN left in memory would still be NaN, so they must be finite.
         self.k[:, self.scratch_slot:].zero_()
         self.v[:, self.scratch_slot:].zero_()
+
+    def release_pools(self) -> None:
+        """Give the pools to ``memory`` for the next cache (its engine closed); this cache has no
+        tensors afterwards. Safe to call twice."""
+        if self._storage is not None and self.memory is not None:
+            self.memory.give(*self._storage)
+        self._storage = None
+        self.k = self.v = None
 
     @property
     def has_tensors(self) -> bool:
@@ -484,8 +540,9 @@ class SlotKVCache(PagedKVCache):
     kind = "slot"
 
     def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype, device, attention: str = "auto",
-                 tensors: bool = True):
-        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1, attention=attention, tensors=tensors)
+                 tensors: bool = True, memory: PoolMemory | None = None):
+        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1, attention=attention, tensors=tensors,
+                         memory=memory)
         self.max_len = max_len
 
     @classmethod

@@ -162,9 +162,12 @@ class LLMEngine(Engine):
         return self.scheduler.has_work()
 
     def close(self) -> None:
+        """Stop the grammar-mask threads and hand the KV pools to the next engine (the cache's
+        ``release_pools``): a closed engine cannot step again."""
         if self._mask_pool is not None:
             self._mask_pool.shutdown(wait=False)
             self._mask_pool = None
+        self.cache.release_pools()
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
