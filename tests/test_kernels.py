@@ -286,6 +286,26 @@ def test_fused_layer_runs_panel_linears_exactly(llama_dir, dtype):
     assert_fused_equals_ops(model, dtype)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_in_mlp_chunks_is_the_whole_step_bit_for_bit(llama_dir, dtype, monkeypatch):
+    """A big step's MLP in row chunks (llama.mlp_chunk_rows; forced here to 3 rows, so 8-row
+    chunks and a shorter last one) gives the Python layer's tokens and log-probabilities bitwise;
+    by default a chunk is at least 256 rows and only panels chunk."""
+    from tinyllm_cli.model import llama
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    from tinyllm_cli.model.gemm import panel_usable
+    if not panel_usable(dtype, torch.device("cpu")):
+        pytest.skip("the kernels were built without AVX2 / AVX-512")
+    ck = load_checkpoint(str(llama_dir), progress=False)
+    model = llama.build_model(ck.config, ck.weights, dtype, "cpu", "panel")
+    assert all(layer.fused_args[-1] >= 256 for layer in model.layers)
+    torch_model = llama.build_model(ck.config, ck.weights, dtype, "cpu", "torch")
+    assert all(layer.fused_args[-1] == 0 for layer in torch_model.layers)
+    monkeypatch.setattr(llama, "mlp_chunk_rows", lambda layer: 3)
+    assert_fused_equals_ops(model, dtype)
+
+
 def test_kernel_attention_on_another_device_is_one_sentence():
     with pytest.raises(ValueError, match="runs on the CPU only"):
         resolve_attention("kernel", torch.device("cuda"))

@@ -2647,14 +2647,16 @@ void write_kv(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows)
 // and each costs a few microseconds of Python and dispatch when called from Python.
 // x [T, hidden] is the residual stream (updated in place: x += r, x += attention output);
 // returns the MLP output, which the next layer (or the final norm) adds to x.
-// Linears, in order: qkv, o_proj, gate_up, down.
+// Linears, in order: qkv, o_proj, gate_up, down. mlp_rows > 0: a step of more rows runs its MLP
+// (gate_up, SiLU * up, down) in chunks of about that many rows (model/llama.py's mlp_chunk_rows:
+// only on linears whose rows do not depend on one another, so the output is the same bit for bit).
 at::Tensor decoder_layer(at::Tensor& x, const std::optional<at::Tensor>& r, at::TensorList weights,
                          at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& aux,
                          const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& input_norm,
                          const at::Tensor& post_norm, double eps, const at::Tensor& cos, const at::Tensor& sin_signed,
                          at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& row_len,
-                         int64_t block_size, int64_t n_heads, int64_t n_kv, int64_t head_dim) {
+                         int64_t block_size, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t mlp_rows) {
   TORCH_CHECK(weights.size() == 4 && kinds.size() == 4 && aux.size() == 4 && biases.size() == 4, "four linears");
   const int64_t t = x.size(0), q_size = n_heads * head_dim, kv_size = n_kv * head_dim;
   auto lin = [&](int64_t i, const at::Tensor& in) { return run_linear(kinds[i], in, weights[i], aux.get(i), biases.get(i)); };
@@ -2683,13 +2685,24 @@ at::Tensor decoder_layer(at::Tensor& x, const std::optional<at::Tensor>& r, at::
                         1.0 / std::sqrt(static_cast<double>(head_dim)));
   }
   auto h = norm(lin(1, o.view({t, q_size})), post_norm);
-  auto gate_up = lin(2, h);
-  at::Tensor act;
-  {
-    RECORD_FUNCTION("tinyllm::silu_mul", std::vector<c10::IValue>());
-    act = silu_mul(gate_up);
+  auto mlp = [&](const at::Tensor& in) {
+    auto gate_up = lin(2, in);
+    at::Tensor act;
+    {
+      RECORD_FUNCTION("tinyllm::silu_mul", std::vector<c10::IValue>());
+      act = silu_mul(gate_up);
+    }
+    return lin(3, act);
+  };
+  if (mlp_rows <= 0 || t <= mlp_rows) return mlp(h);
+  // Equal chunks, each a whole number of 8-row tiles.
+  const int64_t chunks = (t + mlp_rows - 1) / mlp_rows, rows = ((t + chunks - 1) / chunks + 7) / 8 * 8;
+  auto out = at::empty({t, x.size(1)}, x.options());
+  for (int64_t r0 = 0; r0 < t; r0 += rows) {
+    const int64_t n = std::min(rows, t - r0);
+    out.narrow(0, r0, n).copy_(mlp(h.narrow(0, r0, n)));
   }
-  return lin(3, act);
+  return out;
 }
 
 }  // namespace
@@ -2720,7 +2733,7 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def("decoder_layer(Tensor(a!) x, Tensor? r, Tensor[] weights, int[] kinds, Tensor?[] aux, Tensor?[] biases, "
         "Tensor input_norm, Tensor post_norm, float eps, Tensor cos, Tensor sin_signed, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor row_seq, Tensor row_len, "
-        "int block_size, int n_heads, int n_kv, int head_dim) -> Tensor");
+        "int block_size, int n_heads, int n_kv, int head_dim, int mlp_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {
