@@ -240,6 +240,11 @@ def test_fused_layer_equals_the_python_layer_exactly(model_name, request):
 def assert_fused_equals_ops(model, dtype: torch.dtype) -> None:
     """Greedy tokens and log-probabilities of the one-call layer and of the Python layer (with
     the fused elementwise kernels) on the same requests, bitwise equal."""
+    fused_and_ops(model, dtype)
+
+
+def fused_and_ops(model, dtype: torch.dtype) -> list:
+    """assert_fused_equals_ops's check; returns the (equal) results."""
     reqs = make_requests(n=4, seed=5, logprobs=3)
     assert all(r.params.logprobs == 3 for r in reqs)
     results = {}
@@ -253,6 +258,7 @@ def assert_fused_equals_ops(model, dtype: torch.dtype) -> None:
         use_native_ops(model, True)
     assert all(lp for _, lp in results["fused"])  # log-probabilities were produced, so compared
     assert results["fused"] == results["ops"]
+    return results["fused"]
 
 
 @needs_kernels
@@ -290,8 +296,9 @@ def test_fused_layer_runs_panel_linears_exactly(llama_dir, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_layer_in_mlp_chunks_is_the_whole_step_bit_for_bit(llama_dir, dtype, monkeypatch):
     """A big step's MLP in row chunks (llama.mlp_chunk_rows; forced here to 3 rows, so 8-row
-    chunks and a shorter last one) gives the Python layer's tokens and log-probabilities bitwise;
-    by default a chunk is at least 256 rows and only panels chunk."""
+    chunks and a shorter last one), in the one-call layer and in the Python layer, gives the
+    tokens and log-probabilities of the whole step at once, bitwise; by default a chunk is at
+    least 256 rows and only panels chunk."""
     from tinyllm_cli.model import llama
     from tinyllm_cli.model.checkpoint import load_checkpoint
     from tinyllm_cli.model.gemm import panel_usable
@@ -302,8 +309,9 @@ def test_fused_layer_in_mlp_chunks_is_the_whole_step_bit_for_bit(llama_dir, dtyp
     assert all(layer.fused_args[-1] >= 256 for layer in model.layers)
     torch_model = llama.build_model(ck.config, ck.weights, dtype, "cpu", "torch")
     assert all(layer.fused_args[-1] == 0 for layer in torch_model.layers)
+    whole = fused_and_ops(model, dtype)
     monkeypatch.setattr(llama, "mlp_chunk_rows", lambda layer: 3)
-    assert_fused_equals_ops(model, dtype)
+    assert fused_and_ops(model, dtype) == whole
 
 
 def test_kernel_attention_on_another_device_is_one_sentence():

@@ -2695,7 +2695,7 @@ at::Tensor decoder_layer(at::Tensor& x, const std::optional<at::Tensor>& r, at::
     return lin(3, act);
   };
   if (mlp_rows <= 0 || t <= mlp_rows) return mlp(h);
-  // Equal chunks, each a whole number of 8-row tiles.
+  // Equal chunks, each a whole number of 8-row tiles (model/llama.py's chunk_size, the Python layer's split).
   const int64_t chunks = (t + mlp_rows - 1) / mlp_rows, rows = ((t + chunks - 1) / chunks + 7) / 8 * 8;
   auto out = at::empty({t, x.size(1)}, x.options());
   for (int64_t r0 = 0; r0 < t; r0 += rows) {

@@ -22,6 +22,9 @@ Invariants:
 - On CPU, where ``tinyllm_cli.kernels`` builds, residual add + RMSNorm, RoPE and SiLU * up run as
   one fused kernel each (``model.native``); the PyTorch ops stay as the reference and the path
   for every other device. The residual add of each layer's MLP is deferred into the next norm.
+- On panels a big step's MLP runs in row chunks (``mlp_chunk_rows``), in both the one-call layer
+  and this one: a panel row's output does not depend on the rows beside it, so the bits are
+  those of one pass.
 """
 
 from __future__ import annotations
@@ -180,7 +183,15 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.n_kv, self.head_dim)
         o = attn.attend(self.index, q, k, v)
         h = add_norm(x, self.o_proj(o.reshape(t, self.q_size)), self.post_norm, self.native)
-        return x, self.down(self.swiglu(self.gate_up(h)))
+        return x, self.mlp(h)
+
+    def mlp(self, h: Tensor) -> Tensor:
+        """down(SwiGLU(gate_up(h))); a big step in the row chunks the one-call layer uses
+        (``mlp_chunk_rows``, ``chunk_sizes``): the same bits as one pass, less memory."""
+        rows = mlp_chunk_rows(self)
+        if not rows or h.shape[0] <= rows:
+            return self.down(self.swiglu(self.gate_up(h)))
+        return torch.cat([self.down(self.swiglu(self.gate_up(c))) for c in h.split(chunk_size(h.shape[0], rows))])
 
     def fused(self, x: Tensor, r: Tensor | None, cos: Tensor, sin: Tensor, paged: tuple) -> tuple[Tensor, Tensor]:
         """``forward`` in one kernel call (native path, paged-kernel attention): the same ops in
@@ -350,6 +361,13 @@ def mlp_chunk_rows(layer: DecoderLayer) -> int:
         return 0
     row_bytes = layer.gate_up.packed.shape[0] * layer.gate_up.packed.element_size()
     return max(256, MLP_CHUNK_BYTES // row_bytes)
+
+
+def chunk_size(t: int, rows: int) -> int:
+    """Rows per chunk when ``t`` rows run in chunks of about ``rows``: equal chunks, each a whole
+    number of the panels' 8-row tiles (the last one shorter). decoder_layer splits the same way."""
+    chunks = -(-t // rows)
+    return -(-(-(-t // chunks)) // 8) * 8
 
 
 def _linear_spec(m: nn.Module) -> tuple | None:
