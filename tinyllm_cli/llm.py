@@ -80,14 +80,18 @@ class LLM:
             what = changed[0] if changed else "the parallel settings"
             raise UsageError(f"{what!r} cannot change on a live LLM; make a new LLM for it")
         self.engine.close()  # its KV pools go to the runtime's PoolMemory, for the new engine to take
-        if self._pool is not None:
-            self._pool.reset(cfg)
         try:
-            self.engine = self._new_engine(cfg)
+            self._start(cfg)
         except BaseException:
-            self.engine = self._new_engine(self.config)  # the settings it had, so the LLM stays usable
+            self._start(self.config)  # the settings it had, so the LLM stays usable
             raise
         self.config = cfg
+
+    def _start(self, cfg: Config) -> None:
+        """A new engine (and, on a cluster, new worker engines) for ``cfg``."""
+        if self._pool is not None:
+            self._pool.reset(cfg)
+        self.engine = self._new_engine(cfg)
 
     def close(self) -> None:
         """Release the KV pool (and the Ray workers). Safe to call twice."""
