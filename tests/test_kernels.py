@@ -237,14 +237,9 @@ def test_fused_layer_equals_the_python_layer_exactly(model_name, request):
     assert_fused_equals_ops(model, torch.float32)
 
 
-def assert_fused_equals_ops(model, dtype: torch.dtype) -> None:
+def assert_fused_equals_ops(model, dtype: torch.dtype) -> list:
     """Greedy tokens and log-probabilities of the one-call layer and of the Python layer (with
-    the fused elementwise kernels) on the same requests, bitwise equal."""
-    fused_and_ops(model, dtype)
-
-
-def fused_and_ops(model, dtype: torch.dtype) -> list:
-    """assert_fused_equals_ops's check; returns the (equal) results."""
+    the fused elementwise kernels) on the same requests, bitwise equal; returns them."""
     reqs = make_requests(n=4, seed=5, logprobs=3)
     assert all(r.params.logprobs == 3 for r in reqs)
     results = {}
@@ -309,9 +304,9 @@ def test_fused_layer_in_mlp_chunks_is_the_whole_step_bit_for_bit(llama_dir, dtyp
     assert all(layer.fused_args[-1] >= 256 for layer in model.layers)
     torch_model = llama.build_model(ck.config, ck.weights, dtype, "cpu", "torch")
     assert all(layer.fused_args[-1] == 0 for layer in torch_model.layers)
-    whole = fused_and_ops(model, dtype)
+    whole = assert_fused_equals_ops(model, dtype)
     monkeypatch.setattr(llama, "mlp_chunk_rows", lambda layer: 3)
-    assert fused_and_ops(model, dtype) == whole
+    assert assert_fused_equals_ops(model, dtype) == whole
 
 
 def test_kernel_attention_on_another_device_is_one_sentence():

@@ -187,7 +187,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, h: Tensor) -> Tensor:
         """down(SwiGLU(gate_up(h))); a big step in the row chunks the one-call layer uses
-        (``mlp_chunk_rows``, ``chunk_sizes``): the same bits as one pass, less memory."""
+        (``mlp_chunk_rows``, ``chunk_size``): the same bits as one pass, less memory."""
         rows = mlp_chunk_rows(self)
         if not rows or h.shape[0] <= rows:
             return self.down(self.swiglu(self.gate_up(h)))
@@ -347,7 +347,8 @@ MLP_CHUNK_BYTES = 16 << 20
 
 
 def mlp_chunk_rows(layer: DecoderLayer) -> int:
-    """Rows per MLP chunk of the one-call layer in a big step (0: the whole step at once).
+    """Rows per MLP chunk of a big step, in the one-call layer and the Python one (0: the whole
+    step at once).
 
     Why: glibc serves an allocation over 32 MiB with a fresh mmap every time, whose pages all fault
     on first write. The gate_up output of a 1,460-row prompt step at the 1.5b shape is 52 MB in
@@ -366,8 +367,9 @@ def mlp_chunk_rows(layer: DecoderLayer) -> int:
 def chunk_size(t: int, rows: int) -> int:
     """Rows per chunk when ``t`` rows run in chunks of about ``rows``: equal chunks, each a whole
     number of the panels' 8-row tiles (the last one shorter). decoder_layer splits the same way."""
-    chunks = -(-t // rows)
-    return -(-(-(-t // chunks)) // 8) * 8
+    chunks = -(-t // rows)  # ceil division throughout
+    per_chunk = -(-t // chunks)
+    return -(-per_chunk // 8) * 8
 
 
 def _linear_spec(m: nn.Module) -> tuple | None:
