@@ -180,7 +180,7 @@ def test_peak_measures_something(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYLLM_PEAK_CACHE", str(tmp_path / "peak.json"))
     p = rl.measure_peak(torch.float32, (64, 160), threads=1, seconds=0.05)
     assert set(p["gflops"]["torch"]) == {"1", "32", "256"} and p["gemm_gflops"] > 0 and p["bandwidth_gbps"] > 0
-    assert p["threads"] == 1 and p["cpu"] and not p["cached"]
+    assert p["threads"] == 1 and p["device"] and not p["cached"]
 
 
 def test_the_peak_of_a_4bit_run_includes_its_kernel_in_the_run_s_activation_mode(tmp_path, monkeypatch):

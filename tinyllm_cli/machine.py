@@ -1,6 +1,7 @@
 """What machine this is: the CPU's name for performance tables and profiles (every table names
-its CPU), with the platform's word where /proc/cpuinfo has none, and its feature flags for
-choices that depend on them (the kernels' build key, AMX)."""
+its CPU), with the platform's word where /proc/cpuinfo has none, an accelerator's name where a
+run is on one, and the CPU's feature flags for choices that depend on them (the kernels' build
+key, AMX)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,16 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_name(device) -> str:
+    """What a run on ``device`` runs on, for tables and cache keys: the CPU's name, or the
+    accelerator's as its backend reports it (``cuda: NVIDIA H200``)."""
+    import torch  # here, not at the top: the CPU's name and flags are read without loading torch
+    device = torch.device(device)
+    if device.type == "cpu":
+        return cpu_name()
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return str(device)
+

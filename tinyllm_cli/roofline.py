@@ -34,14 +34,17 @@ Invariants:
   One exception, tinyllm's own: greedy steps of a float32 model with a screened head
   (``model/greedy_head.py``) read the output matrix in bfloat16 and compute it at the bfloat16
   rate, so they do less than the work counted here (which stays the model's, as for every engine).
-- The peak is a microbenchmark in this process: the best matmul rate of ``F.linear``, of the
-  resolved packed linear (oneDNN or tinyllm's panels, where usable) and, for a model with 4-bit
-  weights on tinyllm's kernel, of that kernel in the model's activation mode (``q4`` or
-  ``q4-int8``: with int8 activations it outruns the float matmuls, so a run could otherwise read
-  over 100% of "the peak"), on the model's hidden -> FFN shape at 1, 32 and 256 rows (the peak is
-  the 256-row figure), and the read bandwidth of a sum over 512 MiB (best of several). It is
-  cached per CPU, dtype, thread count, torch version, shape, paths and kernel build (``peak_key``) in
-  ``peak_cache_path()``, so only the first bench on a machine pays for it.
+- The peak is a microbenchmark in this process, on the run's device: the best matmul rate of
+  ``F.linear``, and on a CPU also of the resolved packed linear (oneDNN or tinyllm's panels,
+  where usable) and, for a model with 4-bit weights on tinyllm's kernel, of that kernel in the
+  model's activation mode (``q4`` or ``q4-int8``: with int8 activations it outruns the float
+  matmuls, so a run could otherwise read over 100% of "the peak"), on the model's hidden -> FFN
+  shape at 1, 32 and 256 rows (the peak is the 256-row figure), and the read bandwidth of a sum
+  over 512 MiB (best of several). On an accelerator a timed sample is ``DEVICE_CALLS`` calls
+  between two synchronizations, so launches overlap as they do in a run and the clock reads the
+  device's time. It is cached per device (the CPU's or accelerator's name), dtype, thread count
+  (CPU), torch version, shape, paths and kernel build (``peak_key``) in ``peak_cache_path()``, so
+  only the first bench on a machine pays for it.
 """
 
 from __future__ import annotations
@@ -58,10 +61,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .machine import cpu_name
+from .machine import device_name
 
 PEAK_ROWS = (1, 32, 256)  # matmul rows measured; the peak is the last
 BANDWIDTH_BYTES = 512 * 2**20  # well past any last-level cache these machines have
+DEVICE_CALLS = 50  # calls per timed sample on an accelerator: one call is a few microseconds
 
 
 @dataclass(frozen=True)
@@ -244,14 +248,19 @@ def peak_cache_path() -> Path:
     return Path(base) / "tinyllm" / "peak.json"
 
 
-def peak_key(dtype: torch.dtype, threads: int, shape: tuple[int, int], gemm: str, q4: str = "") -> str:
-    """Names everything the peak depends on, the packed matmul path measured (``gemm``), the
-    4-bit kernel's mode (``q4``) and the build of tinyllm's kernels included: a peak cached before
-    a new path or a faster kernel existed is not this path's peak."""
+def peak_key(dtype: torch.dtype, threads: int | None, shape: tuple[int, int], gemm: str, q4: str = "",
+             device: torch.device = torch.device("cpu")) -> str:
+    """Names everything the peak depends on: the device (a CPU's thread count, the packed matmul
+    path measured (``gemm``), the 4-bit kernel's mode (``q4``) and the build of tinyllm's kernels
+    included), so a peak cached before a new path or a faster kernel existed is not this path's
+    peak. An accelerator's key names no threads or CPU kernels (its runs use neither)."""
+    head = f"{device.type}: {device_name(device)} | {str(dtype).removeprefix('torch.')}"
+    tail = f"torch {torch.__version__} | {shape[0]}x{shape[1]} | gemm {gemm}"
+    if device.type != "cpu":
+        return f"{head} | {tail}"
     from . import kernels as native
     build = native.build_key() if native.load() else "none"
-    return f"{cpu_name()} | {str(dtype).removeprefix('torch.')} | {threads} threads | torch {torch.__version__} " \
-           f"| {shape[0]}x{shape[1]} | gemm {gemm} | kernels {build}" + (f" | {q4}" if q4 else "")
+    return f"{head} | {threads} threads | {tail} | kernels {build}" + (f" | {q4}" if q4 else "")
 
 
 def _read_cache(path: Path) -> dict:
@@ -274,28 +283,32 @@ def _write_cache(path: Path, key: str, peak: dict) -> None:
 
 
 def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threads: int | None = None,
-                 seconds: float = 1.5, refresh: bool = False, q4: str = "") -> dict:
-    """This CPU's measured peak at ``dtype`` with ``threads`` torch threads (this process's
-    setting when None) on a ``shape`` = (hidden, FFN) matmul: from the cache unless ``refresh``;
-    measuring takes about ``seconds``. ``q4`` ('q4' or 'q4-int8') adds tinyllm's 4-bit kernel in
-    that activation mode (``q4_path``). Returns gemm_gflops (the best path at 256 rows), gemm
-    (that path), gemm_rows, gflops (path -> rows -> GFLOP/s), bandwidth_gbps and where it came from."""
+                 seconds: float = 1.5, refresh: bool = False, q4: str = "", device="cpu") -> dict:
+    """The measured peak of ``device`` (a CPU: with ``threads`` torch threads, this process's
+    setting when None) at ``dtype`` on a ``shape`` = (hidden, FFN) matmul: from the cache unless
+    ``refresh``; measuring takes about ``seconds``. ``q4`` ('q4' or 'q4-int8') adds tinyllm's
+    4-bit kernel in that activation mode (``q4_path``; CPU only). Returns gemm_gflops (the best
+    path at 256 rows), gemm (that path), gemm_rows, gflops (path -> rows -> GFLOP/s),
+    bandwidth_gbps, the device's name and where it came from."""
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
     before = torch.get_num_threads()
-    threads = threads or before
+    threads = (threads or before) if on_cpu else None
     from .model.gemm import resolve_gemm
-    packed = resolve_gemm("auto", dtype, torch.device("cpu"))  # 'panel', 'onednn', 'onednn-f32' or 'torch'
-    key, path = peak_key(dtype, threads, shape, packed, q4), peak_cache_path()
+    packed = resolve_gemm("auto", dtype, device)  # 'panel', 'onednn', 'onednn-f32' or 'torch'
+    key, path = peak_key(dtype, threads, shape, packed, q4, device), peak_cache_path()
     if not refresh and key in (cached := _read_cache(path)):
         return cached[key] | {"cached": True}
-    torch.set_num_threads(threads)
+    if on_cpu:
+        torch.set_num_threads(threads)
     try:
-        gflops = _matmul_rates(dtype, shape, packed, seconds * 0.75, q4)
-        bandwidth = _read_bandwidth(seconds * 0.25)
+        gflops = _matmul_rates(dtype, shape, packed, seconds * 0.75, q4, device)
+        bandwidth = _read_bandwidth(seconds * 0.25, device)
     finally:
         torch.set_num_threads(before)
     top = str(PEAK_ROWS[-1])  # string keys, as JSON gives them back from the cache
     best = max(gflops, key=lambda p: gflops[p][top])
-    peak = {"cpu": cpu_name(), "dtype": str(dtype).removeprefix("torch."), "threads": threads,
+    peak = {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."), "threads": threads,
             "torch": torch.__version__, "shape": list(shape), "gemm": best,
             "gemm_gflops": gflops[best][top], "gemm_rows": PEAK_ROWS[-1], "gflops": gflops,
             "bandwidth_gbps": bandwidth, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -304,23 +317,33 @@ def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threa
 
 
 def runtime_peak(rt, refresh: bool = False) -> dict:
-    """``measure_peak`` for a runtime (loaded or closed: only its settings are read): its dtype on
-    its model's hidden -> FFN shape, with its 4-bit path (``q4_path``)."""
+    """``measure_peak`` for a runtime (loaded or closed: only its settings are read): its device
+    and dtype on its model's hidden -> FFN shape, with its 4-bit path (``q4_path``)."""
     shape = (rt.model_cfg.hidden_size, rt.model_cfg.intermediate_size)
-    return measure_peak(rt.dtype, shape, refresh=refresh, q4=q4_path(rt.quant, rt.int8_activations, shape))
+    q4 = q4_path(rt.quant, rt.int8_activations, shape) if torch.device(rt.device).type == "cpu" else ""
+    return measure_peak(rt.dtype, shape, refresh=refresh, q4=q4, device=rt.device)
 
 
-def _best_seconds(fn, budget: float) -> float:
+def _best_seconds(fn, budget: float, device: torch.device = torch.device("cpu")) -> float:
     """The fastest of repeated calls of ``fn`` within about ``budget`` seconds (best, not mean:
-    on a shared machine the fastest call is the one nothing else interrupted)."""
-    fn()  # first-call costs (allocation, kernel selection) are not the rate
+    on a shared machine the fastest call is the one nothing else interrupted). On an accelerator
+    a sample is ``DEVICE_CALLS`` calls closed by a synchronization, and its time per call counts."""
+    calls = 1 if device.type == "cpu" else DEVICE_CALLS
+    sync = (lambda: None) if device.type == "cpu" else partial(getattr(torch, device.type).synchronize, device)
+
+    def sample() -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / calls
+
+    sample()  # first-call costs (allocation, kernel selection) are not the rate
+    sync()
     best, stop = math.inf, time.perf_counter() + budget
     while True:
-        t0 = time.perf_counter()
-        fn()
-        t = time.perf_counter() - t0
-        best = min(best, t)
-        if t0 + t >= stop:
+        best = min(best, sample())
+        if time.perf_counter() >= stop:
             return best
 
 
@@ -334,12 +357,13 @@ def q4_path(quant: str, int8_activations: bool, shape: tuple[int, int]) -> str:
 
 
 def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], packed: str, budget: float,
-                  q4: str = "") -> dict[str, dict[str, float]]:
-    """GFLOP/s of x[rows, hidden] @ W[FFN, hidden]^T per row count, for F.linear, the resolved
-    ``packed`` path and the 4-bit kernel in mode ``q4`` (random 4-bit codes, bfloat16 rows)."""
+                  q4: str = "", device: torch.device = torch.device("cpu")) -> dict[str, dict[str, float]]:
+    """GFLOP/s of x[rows, hidden] @ W[FFN, hidden]^T per row count on ``device``, for F.linear,
+    the resolved ``packed`` path and the 4-bit kernel in mode ``q4`` (random 4-bit codes,
+    bfloat16 rows; CPU)."""
     from .model.gemm import linear_for
     k, n = shape
-    w = torch.randn(n, k).to(dtype)
+    w = torch.randn(n, k).to(device, dtype)
     paths = {"torch": partial(F.linear, weight=w)}
     if packed != "torch":
         paths[packed] = linear_for(packed, w, None)
@@ -355,13 +379,15 @@ def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], packed: str, budge
         for name, fn in paths.items():
             out[name] = {}
             for rows in PEAK_ROWS:
-                x = torch.randn(rows, k).to(dtype)
-                out[name][str(rows)] = round(2 * rows * k * n / _best_seconds(lambda: fn(x), slice_s) / 1e9, 1)
+                x = torch.randn(rows, k).to(device, dtype)
+                seconds = _best_seconds(lambda: fn(x), slice_s, device)
+                out[name][str(rows)] = round(2 * rows * k * n / seconds / 1e9, 1)
     return out
 
 
-def _read_bandwidth(budget: float) -> float:
-    """GB/s of summing a ``BANDWIDTH_BYTES`` float32 tensor (a read stream, like weights)."""
-    x = torch.ones(BANDWIDTH_BYTES // 4)  # written once, so every page is mapped before timing
+def _read_bandwidth(budget: float, device: torch.device = torch.device("cpu")) -> float:
+    """GB/s of summing a ``BANDWIDTH_BYTES`` float32 tensor on ``device`` (a read stream, like
+    weights)."""
+    x = torch.ones(BANDWIDTH_BYTES // 4, device=device)  # written once, so every page is mapped before timing
     with torch.inference_mode():
-        return round(x.nbytes / _best_seconds(x.sum, budget) / 1e9, 2)
+        return round(x.nbytes / _best_seconds(x.sum, budget, device) / 1e9, 2)

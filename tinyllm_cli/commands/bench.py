@@ -316,13 +316,14 @@ def reference_table(refs: dict, rows: list[dict]):
         t.add_row("greedy outputs identical to tinyllm", f"{h['greedy_match']} / {h['num_prompts']}", "")
     if "roofline" in refs:
         p = refs["roofline"]
-        t.add_row(f"matmul peak: {p['gemm']} at {p['gemm_rows']} rows on {p['shape'][0]}x{p['shape'][1]} "
-                  f"({p['threads']} threads{', cached' if p['cached'] else ''})",
+        how = ", ".join(([f"{p['threads']} threads"] if p["threads"] else []) + (["cached"] if p["cached"] else []))
+        t.add_row(f"matmul peak: {p['gemm']} at {p['gemm_rows']} rows on {p['shape'][0]}x{p['shape'][1]}"
+                  + (f" ({how})" if how else ""),
                   f"{p['gemm_gflops']:.0f} GFLOP/s = {p['roofline_tokens_per_s']:.0f} tok/s",
                   "  ".join(f"{l}: {r['roofline_frac']:.0%}" for l, r in zip(label, rows) if r["roofline_frac"]))
         t.add_row("memory bandwidth: sum over 512 MiB", f"{p['bandwidth_gbps']:.1f} GB/s",
                   "  ".join(f"{l}: {r['bandwidth_frac']:.0%}" for l, r in zip(label, rows) if r["bandwidth_frac"]))
-        t.caption = f"peak measured on {p['cpu']} ({p['dtype']}); see docs/performance.md, Where the limit is"
+        t.caption = f"peak measured on {p['device']} ({p['dtype']}); see docs/performance.md, Where the limit is"
     return t
 
 
