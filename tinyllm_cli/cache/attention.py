@@ -17,10 +17,13 @@ Invariants:
   (CPU) serves every row, decode and prefill, in one call that reads K/V in place through the
   block tables (``tinyllm_cli/kernels``); ``gather`` copies each decode row's K/V into a padded
   batch for SDPA and runs SDPA per prefill segment (any device; the reference in the tests).
+- On a CUDA device SDPA runs inside ``sdpa_scope``: never cuDNN's backend, which builds a graph
+  for every new shape (each prompt length, each decode context length).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,6 +31,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import kernels as native
 
@@ -90,6 +94,18 @@ def _note_fallback(reason: str | None) -> None:
     print(f"note: tinyllm's CPU kernels did not build ({reason}); attention and the layer ops run on "
           f"the slower PyTorch ops and gather path (and quant: gguf on torch's int4 / int8 matmuls)",
           file=sys.stderr)
+
+
+# Every SDPA backend but cuDNN's, which PyTorch tries first for bfloat16 on recent GPUs: it builds
+# a graph per new shape, and a step's shapes are new all the time (each prompt length, each decode
+# context length). On an H200 a bench's first bfloat16 W1 run took 10.2 s against 0.56 s once its
+# shapes had been seen (float32, which cuDNN's backend does not take, 0.90 vs 0.58 s).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_scope(device: torch.device):
+    """The context a forward on ``device`` runs its SDPA calls in (a no-op off CUDA)."""
+    return sdpa_kernel(SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def chunk_mask(start: int, n: int, device) -> Tensor:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.attention import sdpa_scope
 from ..cache.kv import PagedKVCache
 from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
@@ -217,10 +218,11 @@ class LLMEngine(Engine):
         if plan.empty:
             self._record(plan, 0.0, self.cache.usage(), len(self.scheduler.running))
             return done
-        if self.speculation is not None and plan.decode:
-            self._draft(plan)
-        work = plan_work(plan)  # before the step moves its sequences on
-        samplers, tokens, logprobs, forward_s, verified = self._compute(plan)
+        with sdpa_scope(self.model.device):  # the step's forwards: drafts and the step itself
+            if self.speculation is not None and plan.decode:
+                self._draft(plan)
+            work = plan_work(plan)  # before the step moves its sequences on
+            samplers, tokens, logprobs, forward_s, verified = self._compute(plan)
         t4 = time.perf_counter()
         self._advance(plan)
         emits = self._accept(plan, verified) if plan.verify else []
