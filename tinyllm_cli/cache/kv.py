@@ -42,12 +42,12 @@ Invariants (checked by the property tests):
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from ..model.llama import ModelConfig
+from ..model.validate import available_memory as host_available_memory
 from ..transfer import to_device
 from .allocator import ROOT_SERIAL, BlockPool
 from .block_keys import ROOT, TOKEN_BYTES, as_salt, block_key, encode_tokens, prefix_salt
@@ -83,21 +83,12 @@ def token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def available_memory(device: torch.device) -> int:
+    """Bytes a pool on ``device`` can take: the GPU's free memory, or the host's
+    (``validate.available_memory``; unbounded where the platform cannot say)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    # MemAvailable counts reclaimable page cache too; free pages alone (SC_AVPHYS_PAGES) drop
-    # far below what can be had on a machine that has been reading files, refusing sane pools.
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 1 << 62
+    host = host_available_memory()
+    return 1 << 62 if host is None else host
 
 
 class PoolMemory:
