@@ -2,8 +2,10 @@
 on a machine without one every test here is skipped, and nothing else depends on them.
 
 What must hold on a GPU: the same logits as transformers, the same greedy tokens as a no-cache
-recompute through the paged and slot caches, a bf16 run that works, and no blocking host sync
-in a step beyond the one readback of the sampled ids.
+recompute through the paged and slot caches and through the Python API, a reconfigured LLM that
+reuses the closed engine's device pools without reading what they held, a bf16 run that works,
+no blocking host sync in a step beyond the one readback of the sampled ids, and a bench peak
+measured on the GPU itself (never the host CPU's kernels).
 """
 
 from __future__ import annotations
@@ -113,3 +115,63 @@ def test_to_device_on_cuda_is_pinned_and_exact():
         values = torch.randint(0, 1 << 40, (1000,)).tolist()
         t = to_device(values, CUDA)
         assert t.device.type == "cuda" and t.tolist() == values
+
+
+def test_llm_on_cuda_matches_no_cache_reference_and_reuses_its_pools(llama_dir, tiny_model):
+    from tinyllm_cli import LLM, SamplingParams
+
+    prompts = [r.prompt_token_ids for r in make_requests()]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_new_tokens=12, ignore_eos=True, logprobs=2)
+    # float32: dtype 'auto' is bfloat16 on a GPU, and the reference computes in float32
+    settings = dict(device=CUDA, dtype="float32", block_size=4, kv_memory="2MiB", seed=3, progress=False)
+    with LLM(str(llama_dir), **settings) as fresh:
+        assert fresh.engine.cache.k.device.type == "cuda"
+        got = fresh.generate(prompts, greedy, use_tqdm=False)
+        assert [o.token_ids for o in got] == [reference_greedy(tiny_model, p, 9) for p in prompts]
+        fresh.reconfigure()  # the seed restarts with the new engine, as in the LLM below
+        want = fresh.generate(prompts, sampled, use_tqdm=False)
+    with LLM(str(llama_dir), **settings) as llm:
+        llm.generate(prompts[:3], sampled, use_tqdm=False)
+        old = llm.engine.cache
+        k_ptr = old.k.data_ptr()
+        old.k.fill_(float("nan"))
+        old.v.fill_(float("nan"))
+        llm.reconfigure()
+        assert not old.has_tensors and llm.engine.cache.k.data_ptr() == k_ptr
+        got = llm.generate(prompts, sampled, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+
+
+def test_the_bench_peak_on_cuda_is_the_gpu_s(tmp_path, monkeypatch):
+    import tinyllm_cli.kernels as native
+    from tinyllm_cli import roofline as rl
+
+    monkeypatch.setenv("TINYLLM_PEAK_CACHE", str(tmp_path / "peak.json"))
+    monkeypatch.setattr(native, "load", lambda: pytest.fail("a GPU peak built or loaded the CPU kernels"))
+    p = rl.measure_peak(torch.bfloat16, (576, 1536), seconds=0.2, device=CUDA)
+    assert p["device"] == f"cuda: {torch.cuda.get_device_name()}" and p["threads"] is None
+    assert p["gemm"] == "torch" and set(p["gflops"]["torch"]) == {"1", "32", "256"}
+    assert p["gemm_gflops"] > 0 and p["bandwidth_gbps"] > 0 and not p["cached"]
+    assert rl.measure_peak(torch.bfloat16, (576, 1536), device=CUDA)["cached"]
+
+
+def test_engine_steps_never_run_cudnn_attention(llama_dir, monkeypatch):
+    """cuDNN's SDPA backend builds a graph per new shape (seconds of a bench's first bf16 run);
+    every SDPA call of a step must run with it disabled."""
+    import torch.nn.functional as F
+    from tinyllm_cli.cache import attention
+
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*a, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    model = _model(llama_dir, torch.bfloat16)
+    eng = LLMEngine(model, PagedKVCache(model.cfg, 64, 4, torch.bfloat16, CUDA), None, max_num_seqs=4)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert len(list(eng.run(make_requests(n=3)))) == 3
+    assert seen and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled() == before  # restored
