@@ -31,9 +31,12 @@ Invariants:
 - The roofline time of a workload (``workload_bound_s``) is a sum over those phases of the slower
   of FLOPs at the peak and bytes at the bandwidth: no engine can take less on this machine, so
   bound / elapsed is how close a run came to it (100% only if every forward ran at its limit).
-  One exception, tinyllm's own: greedy steps of a float32 model with a screened head
+  Two exceptions, tinyllm's own, where it does less than the work counted here (which stays the
+  model's, as for every engine): greedy steps of a float32 model with a screened head
   (``model/greedy_head.py``) read the output matrix in bfloat16 and compute it at the bfloat16
-  rate, so they do less than the work counted here (which stays the model's, as for every engine).
+  rate; and the last decoder layer on tinyllm's panels carries only the rows whose logits are
+  read past its K/V projection (``model/llama.py``'s ``keep_rows``), about 1/L of a prompt
+  step's matmuls skipped.
 - The peak is a microbenchmark in this process, on the run's device: the best matmul rate of
   ``F.linear``, and on a CPU also of the resolved packed linear (oneDNN or tinyllm's panels,
   where usable) and, for a model with 4-bit weights on tinyllm's kernel, of that kernel in the
@@ -250,10 +253,10 @@ def peak_cache_path() -> Path:
 
 def peak_key(dtype: torch.dtype, threads: int | None, shape: tuple[int, int], gemm: str, q4: str = "",
              device: torch.device = torch.device("cpu")) -> str:
-    """Names everything the peak depends on: the device (a CPU's thread count, the packed matmul
-    path measured (``gemm``), the 4-bit kernel's mode (``q4``) and the build of tinyllm's kernels
-    included), so a peak cached before a new path or a faster kernel existed is not this path's
-    peak. An accelerator's key names no threads or CPU kernels (its runs use neither)."""
+    """Names everything the peak depends on: the device, dtype, torch version, shape and matmul
+    path measured (``gemm``), and on a CPU the thread count, the 4-bit kernel's mode (``q4``) and
+    the build of tinyllm's kernels, so a peak cached before a new path or a faster kernel existed
+    is not this path's peak. An accelerator's runs use neither threads nor the CPU kernels."""
     head = f"{device.type}: {device_name(device)} | {str(dtype).removeprefix('torch.')}"
     tail = f"torch {torch.__version__} | {shape[0]}x{shape[1]} | gemm {gemm}"
     if device.type != "cpu":
@@ -320,7 +323,7 @@ def runtime_peak(rt, refresh: bool = False) -> dict:
     """``measure_peak`` for a runtime (loaded or closed: only its settings are read): its device
     and dtype on its model's hidden -> FFN shape, with its 4-bit path (``q4_path``)."""
     shape = (rt.model_cfg.hidden_size, rt.model_cfg.intermediate_size)
-    q4 = q4_path(rt.quant, rt.int8_activations, shape) if torch.device(rt.device).type == "cpu" else ""
+    q4 = q4_path(rt.quant, rt.int8_activations, shape)  # '' off the CPU: 4-bit weights run there only
     return measure_peak(rt.dtype, shape, refresh=refresh, q4=q4, device=rt.device)
 
 
@@ -339,7 +342,6 @@ def _best_seconds(fn, budget: float, device: torch.device = torch.device("cpu"))
         return (time.perf_counter() - t0) / calls
 
     sample()  # first-call costs (allocation, kernel selection) are not the rate
-    sync()
     best, stop = math.inf, time.perf_counter() + budget
     while True:
         best = min(best, sample())
