@@ -257,6 +257,29 @@ def assert_fused_equals_ops(model, dtype: torch.dtype) -> list:
 
 
 @needs_kernels
+def test_the_last_layer_carries_only_the_logit_rows_with_the_same_bits(tiny_model, monkeypatch):
+    """On tinyllm's panels the one-call last layer runs attention, o_proj and the MLP for the rows
+    whose logits are read only (keep_rows: one row per finished prompt, none for a chunk that does
+    not finish its prompt); greedy tokens and log-probabilities equal the Python layer's, which
+    carries every row, bit for bit. Fails if the kept rows are the wrong ones or were skipped."""
+    if tiny_model.gemm != "panel":
+        pytest.skip("the last layer keeps rows on tinyllm's panels only")
+    calls, real = [], kernels.decoder_layer
+
+    def spy(x, *args):
+        keep = args[-1]
+        calls.append((x.shape[0], None if keep is None else keep.numel()))
+        return real(x, *args)
+
+    monkeypatch.setattr(kernels, "decoder_layer", spy)
+    assert_fused_equals_ops(tiny_model, torch.float32)
+    kept = [(rows, n) for rows, n in calls if n is not None]
+    assert kept and all(n < rows for rows, n in kept) and any(n == 0 for _, n in kept)
+    layers = len(tiny_model.layers)
+    assert all(n is None for i, (_, n) in enumerate(calls) if i % layers != layers - 1)  # the last layer only
+
+
+@needs_kernels
 def test_fused_layer_runs_widened_bf16_linears_exactly(no_bf16_onednn, llama_dir):
     """A bfloat16 model whose linears pack in float32 (onednn-f32, forced here on every CPU):
     the one-call layer's linear kind 4 gives the Python layer's tokens and log-probabilities

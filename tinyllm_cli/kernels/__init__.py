@@ -312,12 +312,14 @@ def silu_mul(gate_up):
 
 def decoder_layer(x, r, weights, kinds, aux, biases, input_norm, post_norm, eps: float, cos, sin_signed,
                   k_pool, v_pool, slot_mapping, block_tables, row_seq, row_len, block_size: int,
-                  n_heads: int, n_kv: int, head_dim: int, mlp_rows: int = 0):
-    """A whole decoder layer (model/llama.py's ``DecoderLayer.fused``); returns its MLP output.
-    ``mlp_rows`` > 0: a step of more rows runs its MLP in row chunks of about that many."""
+                  n_heads: int, n_kv: int, head_dim: int, mlp_rows: int = 0, keep=None):
+    """A whole decoder layer (model/llama.py's ``DecoderLayer.fused``); returns the residual
+    stream (``x``, updated in place; with ``keep``, a new tensor of the kept rows) and the MLP
+    output. ``mlp_rows`` > 0: a step of more rows runs its MLP in row chunks of about that many.
+    ``keep``: int64 row indices; every row's K/V are written, only these rows go on past them."""
     return torch.ops.tinyllm.decoder_layer(x, r, weights, kinds, aux, biases, input_norm, post_norm, eps, cos,
                                            sin_signed, k_pool, v_pool, slot_mapping, block_tables, row_seq, row_len,
-                                           block_size, n_heads, n_kv, head_dim, mlp_rows)
+                                           block_size, n_heads, n_kv, head_dim, mlp_rows, keep)
 
 
 def int8_linear(x, q, scale, float32_out: bool = False):

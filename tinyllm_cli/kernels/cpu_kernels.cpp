@@ -2646,27 +2646,30 @@ void write_kv(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& rows)
 // without a return to Python between them: a one-token step runs ~25 small operators per layer,
 // and each costs a few microseconds of Python and dispatch when called from Python.
 // x [T, hidden] is the residual stream (updated in place: x += r, x += attention output);
-// returns the MLP output, which the next layer (or the final norm) adds to x.
+// returns it and the MLP output, which the next layer (or the final norm) adds to it.
 // Linears, in order: qkv, o_proj, gate_up, down. mlp_rows > 0: a step of more rows runs its MLP
 // (gate_up, SiLU * up, down) in chunks of about that many rows (model/llama.py's mlp_chunk_rows:
 // only on linears whose rows do not depend on one another, so the output is the same bit for bit).
-at::Tensor decoder_layer(at::Tensor& x, const std::optional<at::Tensor>& r, at::TensorList weights,
-                         at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& aux,
-                         const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& input_norm,
-                         const at::Tensor& post_norm, double eps, const at::Tensor& cos, const at::Tensor& sin_signed,
-                         at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
-                         const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& row_len,
-                         int64_t block_size, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t mlp_rows) {
+// keep (the model's last layer: the rows whose logits are wanted, model/llama.py's keep_rows):
+// every row's K and V are computed and written, and only the kept rows go on through attention,
+// o_proj and the MLP; the residual stream returned is theirs, [len(keep), hidden], a new tensor.
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+    at::Tensor& x, const std::optional<at::Tensor>& r, at::TensorList weights, at::IntArrayRef kinds,
+    const c10::List<std::optional<at::Tensor>>& aux, const c10::List<std::optional<at::Tensor>>& biases,
+    const at::Tensor& input_norm, const at::Tensor& post_norm, double eps, const at::Tensor& cos,
+    const at::Tensor& sin_signed, at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& row_seq, const at::Tensor& row_len, int64_t block_size,
+    int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t mlp_rows, const std::optional<at::Tensor>& keep) {
   TORCH_CHECK(weights.size() == 4 && kinds.size() == 4 && aux.size() == 4 && biases.size() == 4, "four linears");
   const int64_t t = x.size(0), q_size = n_heads * head_dim, kv_size = n_kv * head_dim;
   auto lin = [&](int64_t i, const at::Tensor& in) { return run_linear(kinds[i], in, weights[i], aux.get(i), biases.get(i)); };
   // The kernels below are called directly, not through the dispatcher; the scopes name them for
   // torch.profiler (bench --profile) as if they had been (free while no profiler runs).
-  auto norm = [&](const std::optional<at::Tensor>& res, const at::Tensor& w) {
+  auto norm = [&](at::Tensor& stream, const std::optional<at::Tensor>& res, const at::Tensor& w) {
     RECORD_FUNCTION("tinyllm::add_rms_norm_", std::vector<c10::IValue>());
-    return add_rms_norm_(x, res, w, eps);
+    return add_rms_norm_(stream, res, w, eps);
   };
-  auto qkv = lin(0, norm(r, input_norm));
+  auto qkv = lin(0, norm(x, r, input_norm));
   auto qk = qkv.narrow(1, 0, q_size + kv_size).view({t, n_heads + n_kv, head_dim});
   {
     RECORD_FUNCTION("tinyllm::rope_", std::vector<c10::IValue>());
@@ -2678,13 +2681,23 @@ at::Tensor decoder_layer(at::Tensor& x, const std::optional<at::Tensor>& r, at::
     write_kv(k_pool, slot_mapping, qk.narrow(1, n_heads, n_kv));
     write_kv(v_pool, slot_mapping, v);
   }
+  auto q = qk.narrow(1, 0, n_heads);
+  at::Tensor stream = x, seqs = row_seq, lens = row_len;
+  if (keep.has_value()) {
+    TORCH_CHECK(keep->scalar_type() == at::kLong && keep->dim() == 1, "keep: int64 row indices");
+    q = q.index_select(0, *keep);
+    seqs = row_seq.index_select(0, *keep);
+    lens = row_len.index_select(0, *keep);
+    stream = x.index_select(0, *keep);
+  }
+  const int64_t kept = stream.size(0);
   at::Tensor o;
   {
     RECORD_FUNCTION("tinyllm::paged_attention", std::vector<c10::IValue>());
-    o = paged_attention(qk.narrow(1, 0, n_heads), k_pool, v_pool, block_tables, row_seq, row_len, block_size,
+    o = paged_attention(q, k_pool, v_pool, block_tables, seqs, lens, block_size,
                         1.0 / std::sqrt(static_cast<double>(head_dim)));
   }
-  auto h = norm(lin(1, o.view({t, q_size})), post_norm);
+  auto h = norm(stream, lin(1, o.view({kept, q_size})), post_norm);
   auto mlp = [&](const at::Tensor& in) {
     auto gate_up = lin(2, in);
     at::Tensor act;
@@ -2694,15 +2707,15 @@ at::Tensor decoder_layer(at::Tensor& x, const std::optional<at::Tensor>& r, at::
     }
     return lin(3, act);
   };
-  if (mlp_rows <= 0 || t <= mlp_rows) return mlp(h);
+  if (mlp_rows <= 0 || kept <= mlp_rows) return {stream, mlp(h)};
   // Equal chunks, each a whole number of 8-row tiles (model/llama.py's chunk_size, the Python layer's split).
-  const int64_t chunks = (t + mlp_rows - 1) / mlp_rows, rows = ((t + chunks - 1) / chunks + 7) / 8 * 8;
-  auto out = at::empty({t, x.size(1)}, x.options());
-  for (int64_t r0 = 0; r0 < t; r0 += rows) {
-    const int64_t n = std::min(rows, t - r0);
+  const int64_t chunks = (kept + mlp_rows - 1) / mlp_rows, rows = ((kept + chunks - 1) / chunks + 7) / 8 * 8;
+  auto out = at::empty({kept, x.size(1)}, x.options());
+  for (int64_t r0 = 0; r0 < kept; r0 += rows) {
+    const int64_t n = std::min(rows, kept - r0);
     out.narrow(0, r0, n).copy_(mlp(h.narrow(0, r0, n)));
   }
-  return out;
+  return {stream, out};
 }
 
 }  // namespace
@@ -2733,7 +2746,7 @@ TORCH_LIBRARY(tinyllm, m) {
   m.def("decoder_layer(Tensor(a!) x, Tensor? r, Tensor[] weights, int[] kinds, Tensor?[] aux, Tensor?[] biases, "
         "Tensor input_norm, Tensor post_norm, float eps, Tensor cos, Tensor sin_signed, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor slot_mapping, Tensor block_tables, Tensor row_seq, Tensor row_len, "
-        "int block_size, int n_heads, int n_kv, int head_dim, int mlp_rows) -> Tensor");
+        "int block_size, int n_heads, int n_kv, int head_dim, int mlp_rows, Tensor? keep=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tinyllm, CPU, m) {

@@ -193,14 +193,16 @@ class DecoderLayer(nn.Module):
             return self.down(self.swiglu(self.gate_up(h)))
         return torch.cat([self.down(self.swiglu(self.gate_up(c))) for c in h.split(chunk_size(h.shape[0], rows))])
 
-    def fused(self, x: Tensor, r: Tensor | None, cos: Tensor, sin: Tensor, paged: tuple) -> tuple[Tensor, Tensor]:
+    def fused(self, x: Tensor, r: Tensor | None, cos: Tensor, sin: Tensor, paged: tuple,
+              keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``forward`` in one kernel call (native path, paged-kernel attention): the same ops in
         the same order, without returning to Python between them. ``paged``: the attention's
-        ``paged(layer)`` (pools, slot mapping, tables, row sequences and lengths, block size)."""
+        ``paged(layer)`` (pools, slot mapping, tables, row sequences and lengths, block size).
+        ``keep`` (``keep_rows``): every row's K/V are written, only these rows go on, and the
+        pair returned is theirs."""
         weights, kinds, aux, biases, w_in, w_post, eps, mlp_rows = self.fused_args
-        r = native.decoder_layer(x, r, weights, kinds, aux, biases, w_in, w_post, eps, cos, sin, *paged,
-                                 self.n_heads, self.n_kv, self.head_dim, mlp_rows)
-        return x, r
+        return native.decoder_layer(x, r, weights, kinds, aux, biases, w_in, w_post, eps, cos, sin, *paged,
+                                    self.n_heads, self.n_kv, self.head_dim, mlp_rows, keep)
 
     def swiglu(self, gate_up: Tensor) -> Tensor:
         if self.native:
@@ -271,10 +273,16 @@ class LlamaModel(nn.Module):
         paged = getattr(attn, "paged", None) if self.native else None
         if self.quant == "gguf" and quant_forms.big_step(input_ids.shape[0], self.int8_activations):
             paged = None  # the layer's modules: Q4Linear leaves its 4-bit tiles for a step this big
+        keep = None  # set when the last layer carried only the logit rows (keep_rows)
         for layer in self.layers:
             args = paged(layer.index) if paged is not None and layer.fused_args is not None else None
-            x, r = layer(x, r, cos, sin, attn) if args is None else layer.fused(x, r, cos, sin, args)
-        if logits_index is not None:
+            if args is None:
+                x, r = layer(x, r, cos, sin, attn)
+                continue
+            if layer is self.layers[-1]:
+                keep = keep_rows(layer, logits_index, x.shape[0])
+            x, r = layer.fused(x, r, cos, sin, args, keep)
+        if logits_index is not None and keep is None:
             x = x.index_select(0, logits_index)
             r = None if r is None else r.index_select(0, logits_index)
         h = add_norm(x, r, self.norm, self.native)
@@ -355,13 +363,34 @@ def mlp_chunk_rows(layer: DecoderLayer) -> int:
     bfloat16, 105 MB in float32: 12,800-25,600 faults, 15-29 ms, in every layer (7% of that
     matmul, measured on Zen 4). In chunks whose gate_up output stays under 16 MiB, the
     allocations come back from the heap, and each chunk's SiLU output is still in cache for the
-    down projection. Only on tinyllm's panels (kind 5): a row's output there does not depend on
-    the rows beside it, so chunking changes no bit (oneDNN's or the 4-bit kernels' choice of
-    kernel may depend on the row count)."""
-    if not (isinstance(layer.gate_up, PanelLinear) and isinstance(layer.down, PanelLinear)):
+    down projection. Only on tinyllm's panels (``row_independent``), so chunking changes no bit."""
+    if not row_independent(layer.gate_up, layer.down):
         return 0
     row_bytes = layer.gate_up.packed.shape[0] * layer.gate_up.packed.element_size()
     return max(256, MLP_CHUNK_BYTES // row_bytes)
+
+
+def keep_rows(layer: DecoderLayer, logits_index: Tensor | None, rows: int) -> Tensor | None:
+    """The rows the model's last layer carries past its K/V write: ``logits_index``, where fewer
+    than the step's ``rows`` have their logits computed (a prompt step: one row per prompt out of
+    hundreds; a chunk that does not finish its prompt: none), on the one-call layer. Else None:
+    every row, selected after the layer.
+
+    Why: nothing reads the last layer's output for the other rows, only its K and V (written for
+    every row), so their attention, o_proj and MLP are skipped: at 1,460 prompt rows and 16 wanted
+    that is most of one layer of the prompt step. Only where the o_proj and MLP linears are
+    tinyllm's panels (``row_independent``), so the kept rows' bits are those of the whole step
+    (the attention kernel serves each row alone)."""
+    if logits_index is None or logits_index.shape[0] >= rows or layer.fused_args is None:
+        return None
+    return logits_index if row_independent(layer.o_proj, layer.gate_up, layer.down) else None
+
+
+def row_independent(*linears: nn.Module) -> bool:
+    """Whether each output row of these linears depends on its input row alone, bit for bit,
+    whatever the rows beside it: tinyllm's panels (oneDNN's or the 4-bit kernels' choice of
+    kernel may depend on the row count)."""
+    return all(isinstance(m, PanelLinear) for m in linears)
 
 
 def chunk_size(t: int, rows: int) -> int:
