@@ -373,15 +373,15 @@ def mlp_chunk_rows(layer: DecoderLayer) -> int:
 def keep_rows(layer: DecoderLayer, logits_index: Tensor | None, rows: int) -> Tensor | None:
     """The rows the model's last layer carries past its K/V write: ``logits_index``, where fewer
     than the step's ``rows`` have their logits computed (a prompt step: one row per prompt out of
-    hundreds; a chunk that does not finish its prompt: none), on the one-call layer. Else None:
-    every row, selected after the layer.
+    hundreds; a chunk that does not finish its prompt: none); the caller runs the one-call layer.
+    Else None: every row, selected after the layer.
 
     Why: nothing reads the last layer's output for the other rows, only its K and V (written for
     every row), so their attention, o_proj and MLP are skipped: at 1,460 prompt rows and 16 wanted
     that is most of one layer of the prompt step. Only where the o_proj and MLP linears are
     tinyllm's panels (``row_independent``), so the kept rows' bits are those of the whole step
     (the attention kernel serves each row alone)."""
-    if logits_index is None or logits_index.shape[0] >= rows or layer.fused_args is None:
+    if logits_index is None or logits_index.shape[0] >= rows:
         return None
     return logits_index if row_independent(layer.o_proj, layer.gate_up, layer.down) else None
 
