@@ -80,8 +80,9 @@ forward at the slower of its FLOPs at the peak and its bytes at the bandwidth, s
 engine's time: one figure that holds a compute-bound prefill and a bandwidth-bound decode each
 against its own limit. The peak is ``tinyllm bench``'s
 (``roofline.runtime_peak``: the best of F.linear, tinyllm's packed matmul and, for int4, its
-4-bit kernel, at 256 rows on the model's hidden x FFN shape, 2 threads), measured after the
-row's rounds with every engine closed, and cached per CPU. llama.cpp's rows are batched-bench at
+4-bit kernel, at 256 rows on the model's hidden x FFN shape, 2 threads), measured again after the
+row's rounds with every engine closed and merged with the cached one (each rate the best this
+machine has reached: a busy moment can only lower a measurement). llama.cpp's rows are batched-bench at
 the mean prompt length, so its figures are that approximation of the same work.
 
 Runs are interleaved (round robin over engines inside each repeat) and the median of ``--repeat``
@@ -1210,7 +1211,7 @@ def row_limits(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict
         return
     from tinyllm_cli.roofline import runtime_peak, workload_bound_s, workload_work
     rt, weight_bytes, kv_bytes = cmp.runtimes[(shape, dtype)]
-    peak = runtime_peak(rt)
+    peak = runtime_peak(rt, refresh=True)  # merged with the cache: the best this machine has reached
     for bench, ps in prompts.items():
         out_len = ctx["workloads"][bench].output_len
         lens, kw = [len(p) for p in ps], dict(weight_bytes=weight_bytes, kv_elem_bytes=kv_bytes)
@@ -1225,7 +1226,8 @@ def workload_limit(work, bound_s: float, tokens: int, peak: dict) -> dict:
     return {"flops_per_token": work.flops / tokens, "bytes_per_token": work.bytes / tokens,
             "bound_s_per_token": bound_s / tokens,
             "peak_gflops": peak["gemm_gflops"], "peak_path": peak["gemm"], "peak_rows": peak["gemm_rows"],
-            "bandwidth_gbps": peak["bandwidth_gbps"], "peak_cached": bool(peak.get("cached"))}
+            "bandwidth_gbps": peak["bandwidth_gbps"], "peak_measurements": peak.get("measurements", 1),
+            "peak_measured_at": peak.get("measured_at")}
 
 
 def engine_rates(limit: dict, tok_s: float) -> dict:

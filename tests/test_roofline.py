@@ -172,6 +172,18 @@ def test_peak_cache_round_trips(tmp_path, monkeypatch):
     assert rl.measure_peak(torch.bfloat16, (64, 160), threads=1)["cached"] is False  # another key
     assert rl.measure_peak(torch.float32, (64, 160), threads=1, refresh=True)["cached"] is False
     assert len(calls) == 3 and len(json.loads(rl.peak_cache_path().read_text())) == 2
+    rl.peak_cache_path().unlink()
+    assert rl.measure_peak(torch.float32, (64, 160), threads=1)["cached"] is False
+    # Measured again: a busy moment (lower rates) cannot lower the cached peak, a better one raises it.
+    monkeypatch.setattr(rl, "_matmul_rates", lambda *a: {"torch": {"1": 2.0, "32": 4.0, "256": 7.0}})
+    monkeypatch.setattr(rl, "_read_bandwidth", lambda *a: 20.0)
+    merged = rl.measure_peak(torch.float32, (64, 160), threads=1, refresh=True)
+    assert merged["gflops"]["torch"] == {"1": 2.0, "32": 5.0, "256": 9.0} and merged["gemm_gflops"] == 9.0
+    assert merged["bandwidth_gbps"] == 20.0 and merged["measurements"] == 2
+    monkeypatch.setattr(rl, "_matmul_rates", lambda *a: {"torch": {"1": 1.0, "32": 5.0, "256": 11.0}})
+    assert rl.measure_peak(torch.float32, (64, 160), threads=1, refresh=True)["gemm_gflops"] == 11.0
+    again = rl.measure_peak(torch.float32, (64, 160), threads=1)
+    assert again["cached"] and again["gemm_gflops"] == 11.0 and again["measurements"] == 3
     rl.peak_cache_path().write_text("not json")  # a damaged cache is measured again, not an error
     assert rl.measure_peak(torch.float32, (64, 160), threads=1)["cached"] is False
 

@@ -251,8 +251,8 @@ def bench(
     baseline: Annotated[Optional[str], typer.Option(help="Also run 'hf' (transformers generate) on the same workload.")] = None,
     roofline: Annotated[bool, typer.Option("--roofline/--no-roofline", help="Show each row's GFLOP/s and GB/s as "
                                            "fractions of this CPU's measured (cached) matmul peak and bandwidth.")] = True,
-    remeasure_peak: Annotated[bool, typer.Option("--remeasure-peak", help="Measure the peak again instead of "
-                                                 "reading the cached one.")] = False,
+    remeasure_peak: Annotated[bool, typer.Option("--remeasure-peak", help="Measure the peak again; the cache "
+                                                 "keeps each rate at the better of both measurements.")] = False,
     repeat: Annotated[int, typer.Option(help="Runs per row (round robin); rows report the median run.")] = 1,
     profile: Annotated[bool, typer.Option("--profile", help="Rerun the first row under torch.profiler; show where the time goes.")] = False,
     n_values: Annotated[Optional[str], typer.Option("--n", help="Comma list of completions per prompt, e.g. 1,4: one row each.")] = None,
