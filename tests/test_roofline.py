@@ -184,6 +184,11 @@ def test_peak_cache_round_trips(tmp_path, monkeypatch):
     assert rl.measure_peak(torch.float32, (64, 160), threads=1, refresh=True)["gemm_gflops"] == 11.0
     again = rl.measure_peak(torch.float32, (64, 160), threads=1)
     assert again["cached"] and again["gemm_gflops"] == 11.0 and again["measurements"] == 3
+    entries = json.loads(rl.peak_cache_path().read_text())  # an entry edited into junk is measured afresh
+    entries[next(iter(entries))] |= {"gflops": {"torch": "fast"}, "bandwidth_gbps": None, "measurements": "x"}
+    rl.peak_cache_path().write_text(json.dumps(entries))
+    fresh = rl.measure_peak(torch.float32, (64, 160), threads=1, refresh=True)
+    assert fresh["gemm_gflops"] == 11.0 and fresh["bandwidth_gbps"] == 20.0 and fresh["measurements"] == 2
     rl.peak_cache_path().write_text("not json")  # a damaged cache is measured again, not an error
     assert rl.measure_peak(torch.float32, (64, 160), threads=1)["cached"] is False
 

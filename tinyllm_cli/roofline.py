@@ -306,6 +306,7 @@ def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threa
     packed = resolve_gemm("auto", dtype, device)  # 'panel', 'onednn', 'onednn-f32' or 'torch'
     key, path = peak_key(dtype, threads, shape, packed, q4, device), peak_cache_path()
     earlier = _read_cache(path).get(key)
+    earlier = earlier if isinstance(earlier, dict) and isinstance(earlier.get("gflops"), dict) else None
     if not refresh and earlier is not None:
         return earlier | {"cached": True}
     if on_cpu:
@@ -316,10 +317,10 @@ def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threa
     finally:
         torch.set_num_threads(before)
     measurements = 1
-    if isinstance(earlier, dict):  # merged: module docstring
-        gflops = _best_rates(gflops, earlier.get("gflops"))
-        bandwidth = max(bandwidth, earlier.get("bandwidth_gbps") or 0)
-        measurements += earlier.get("measurements", 1)
+    if earlier is not None:  # merged: module docstring
+        gflops = _best_rates(gflops, earlier["gflops"])
+        bandwidth = max(bandwidth, _number(earlier.get("bandwidth_gbps")))
+        measurements += int(_number(earlier.get("measurements")) or 1)
     top = str(PEAK_ROWS[-1])  # string keys, as JSON gives them back from the cache
     best = max(gflops, key=lambda p: gflops[p][top])
     peak = {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."), "threads": threads,
@@ -331,11 +332,17 @@ def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threa
     return peak | {"cached": False}
 
 
-def _best_rates(now: dict[str, dict[str, float]], before) -> dict[str, dict[str, float]]:
+def _best_rates(now: dict[str, dict[str, float]], before: dict) -> dict[str, dict[str, float]]:
     """Each (path, rows) rate of a new measurement, or the earlier one's where that was higher."""
-    before = before if isinstance(before, dict) else {}
-    return {path: {rows: max(rate, (before.get(path) or {}).get(rows) or 0) for rows, rate in rates.items()}
-            for path, rates in now.items()}
+    def earlier(path: str, rows: str) -> float:
+        rates = before.get(path)
+        return _number(rates.get(rows)) if isinstance(rates, dict) else 0.0
+    return {path: {rows: max(rate, earlier(path, rows)) for rows, rate in rates.items()} for path, rates in now.items()}
+
+
+def _number(x) -> float:
+    """A cached figure, or 0 where the cache holds something else (an edited or older file)."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else 0.0
 
 
 def runtime_peak(rt, refresh: bool = False) -> dict:
