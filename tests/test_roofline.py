@@ -241,3 +241,9 @@ def test_bench_shows_where_the_limit_is(capsys, llama_dir, tmp_path, monkeypatch
     assert "roofline" not in row["reference"] and "% peak" in err  # the column shows "-"
     code, _, err = cli(capsys, *args, "--no-roofline", "--remeasure-peak")
     assert code == 2 and "--remeasure-peak" in err
+    # Measured again at a busy moment: the caption keeps the better peak and says it was merged.
+    monkeypatch.setattr(rl, "_matmul_rates", lambda *a: {"torch": {"1": 1.0, "32": 4.0, "256": 6.0}})
+    code, _, err = cli(capsys, *args, "--remeasure-peak")
+    (row,) = json.loads(js.read_text())
+    assert code == 0 and row["reference"]["roofline"]["gemm_gflops"] == 9.0
+    assert "best of 2 measurements" in " ".join(err.split())
