@@ -274,12 +274,13 @@ class LlamaModel(nn.Module):
         if self.quant == "gguf" and quant_forms.big_step(input_ids.shape[0], self.int8_activations):
             paged = None  # the layer's modules: Q4Linear leaves its 4-bit tiles for a step this big
         keep = None  # set when the last layer carried only the logit rows (keep_rows)
+        last = len(self.layers) - 1
         for layer in self.layers:
             args = paged(layer.index) if paged is not None and layer.fused_args is not None else None
             if args is None:
                 x, r = layer(x, r, cos, sin, attn)
                 continue
-            if layer is self.layers[-1]:
+            if layer.index == last:
                 keep = keep_rows(layer, logits_index, x.shape[0])
             x, r = layer.fused(x, r, cos, sin, args, keep)
         if logits_index is not None and keep is None:
