@@ -130,6 +130,38 @@ def test_paged_attention_prefill_rows_match_causal_sdpa(dtype, block_size):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 128), (7, 1, 64), (4, 4, 128)])
+def test_prompt_rows_in_blocks_equal_rows_one_at_a_time_bit_for_bit(dtype, block_size, heads, kv_heads, dim):
+    """A prompt's consecutive rows are scored in blocks from K transposed (attend_block); a row
+    alone takes the pair path. Each row's output must be the same bits either way, or a
+    speculative verify, a chunked prompt and plain decoding would disagree. The step mixes a
+    decode row, a whole prompt (1-129 rows: whole and partial chunks, blocks of 8 and a remainder),
+    a chunk after cached positions, and a sequence of 2 rows."""
+    lens = [40, 129, 75, 37]
+    n_rows = [1, 129, 23, 2]
+    g = torch.Generator().manual_seed(block_size + dim)
+    per_seq = [(n + block_size - 1) // block_size for n in lens]
+    total = sum(per_seq)
+    kp = torch.randn(total * block_size + block_size, kv_heads, dim, generator=g).to(dtype)
+    vp = torch.randn(kp.shape, generator=g).to(dtype)
+    order = torch.randperm(total, generator=g).tolist()
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.long)
+    for s, n_blocks in enumerate(per_seq):
+        tables[s, :n_blocks] = torch.tensor(order[:n_blocks])
+        order = order[n_blocks:]
+    row_seq = torch.cat([torch.full((n,), s) for s, n in enumerate(n_rows)])
+    row_len = torch.cat([torch.arange(length - n + 1, length + 1) for length, n in zip(lens, n_rows)])
+    q = torch.randn(len(row_seq), heads + kv_heads, dim, generator=g).to(dtype)[:, :heads]
+    scale = dim ** -0.5
+    together = kernels.paged_attention(q, kp, vp, tables, row_seq, row_len, block_size, scale)
+    alone = torch.cat([kernels.paged_attention(q[t:t + 1], kp, vp, tables, row_seq[t:t + 1], row_len[t:t + 1],
+                                               block_size, scale) for t in range(len(row_seq))])
+    assert torch.equal(together, alone)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_add_rms_norm_matches_add_then_rms_norm(dtype, rows):
     g = torch.Generator().manual_seed(rows)

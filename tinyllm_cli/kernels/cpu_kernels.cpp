@@ -172,9 +172,15 @@ inline float dot(const float* q, const typename S::T* k, int64_t dim) {
 // One thread's buffers, reused across the (row, kv head) pairs it serves.
 struct Scratch {
   std::vector<float> qf, scores, acc, inv_sum;
+  std::vector<float> max;          // each query head's running maximum score, one vector of lanes each
   std::vector<int64_t> rows;       // pool element offset of each position's K/V row (the vector path)
   std::vector<int64_t> next_rows;  // the same for the thread's next pair, if its K/V are to be prefetched
   std::vector<uint16_t> wb;        // bfloat16 softmax weights of a batch of heads (the bfloat16 V pass)
+  // attend_block: K transposed by whole chunks of one (sequence, kv head), its pool offsets, and
+  // where each row's scores start.
+  std::vector<float> kt;
+  std::vector<int64_t> prompt_rows, starts;
+  int64_t kt_seq = -1, kt_head = -1, kt_positions = 0;
 };
 
 // The pool element offset of each of a pair's ``len`` positions' K/V rows (kv head ``kv_head``).
@@ -271,6 +277,23 @@ inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
 inline VecF vload(const uint16_t* p) {  // bfloat16 bits: widen to the high half of each lane
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+// Lanes [0, n) of p; the others are ``fill``. And the store of lanes [0, n). (A whole vector
+// loads plainly: a masked load of scores just stored waited on the stores, a fifth of a short
+// prompt row's softmax on Zen 4.)
+inline VecF vload_n(const float* p, int64_t n, float fill) {
+  return n >= 16 ? _mm512_loadu_ps(p) : _mm512_mask_loadu_ps(vset1(fill), first_lanes(n), p);
+}
+inline void vstore_n(float* p, VecF v, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), v); }
+inline VecF vkeep_n(VecF v, int64_t n) { return _mm512_maskz_mov_ps(first_lanes(n), v); }  // lanes >= n zeroed
+inline VecF vfill_n(VecF v, int64_t n, float fill) { return _mm512_mask_mov_ps(vset1(fill), first_lanes(n), v); }
+inline VecF vmax(VecF a, VecF b) { return _mm512_max_ps(a, b); }
+inline float vmax_lanes(VecF v) { return _mm512_reduce_max_ps(v); }
+inline VecF vmin(VecF a, VecF b) { return _mm512_min_ps(a, b); }
+inline VecF vround(VecF v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF vexp2i(VecF n) {  // 2^n for integral n in [-126, 127], built in the exponent bits
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 
 // Lane i of the result = the sum of v[i]'s 16 lanes: 16 dot products finished with 15 adds and
 // 30 shuffles, where one horizontal sum each costs ~8 dependent operations.
@@ -298,6 +321,30 @@ inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
 inline VecF vload(const uint16_t* p) {  // bfloat16 bits: widen to the high half of each lane
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+inline __m256i first_lanes(int64_t n) {  // all ones in lanes [0, n)
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline VecF vload_n(const float* p, int64_t n, float fill) {
+  if (n >= 8) return _mm256_loadu_ps(p);
+  const __m256i m = first_lanes(n);
+  return _mm256_blendv_ps(vset1(fill), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+}
+inline void vstore_n(float* p, VecF v, int64_t n) { _mm256_maskstore_ps(p, first_lanes(n), v); }
+inline VecF vkeep_n(VecF v, int64_t n) { return _mm256_and_ps(v, _mm256_castsi256_ps(first_lanes(n))); }
+inline VecF vfill_n(VecF v, int64_t n, float fill) {
+  return _mm256_blendv_ps(vset1(fill), v, _mm256_castsi256_ps(first_lanes(n)));
+}
+inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
+inline float vmax_lanes(VecF v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+inline VecF vmin(VecF a, VecF b) { return _mm256_min_ps(a, b); }
+inline VecF vround(VecF v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF vexp2i(VecF n) {  // 2^n for integral n in [-126, 127], built in the exponent bits
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 inline float vsum(VecF v) {
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -313,6 +360,49 @@ inline VecF sum_lanes(VecF v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 #endif
+
+// fast_exp on every lane, the same steps with each rounding explicit (a multiply, then FMAs).
+inline VecF vexp(VecF x) {
+  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
+  const VecF n = vround(vmul(x, vset1(1.44269504088896341f)));
+  const VecF r = vfma(n, vset1(2.12194440e-4f), vfma(n, vset1(-0.693359375f), x));
+  VecF p = vset1(1.0f / 720);
+  p = vfma(p, r, vset1(1.0f / 120));
+  p = vfma(p, r, vset1(1.0f / 24));
+  p = vfma(p, r, vset1(1.0f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.0f));
+  p = vfma(p, r, vset1(1.0f));
+  return vmul(p, vexp2i(n));
+}
+
+// Scores stored kLanes at a time, with their running maximum kept beside them (the scoring
+// loops fold each chunk in as they store it: reading the scores back for the maximum waited on
+// those stores). The maximum does not depend on the order it is taken in.
+inline void store_scores(float* s, VecF v, int64_t n, float* running_max) {
+  if (n >= kLanes) {
+    vstore(s, v);
+  } else {
+    vstore_n(s, v, n);
+    v = vfill_n(v, n, -std::numeric_limits<float>::infinity());
+  }
+  vstore(running_max, vmax(vload(running_max), v));
+}
+
+// softmax_numerators on whole vectors, the last one masked, given the scores' maximum: the
+// vector path's softmax (a compiler-vectorized loop finished its last < kLanes positions one at
+// a time, a fifth of a short prompt row's softmax).
+inline float softmax_numerators_vec(float* s, int64_t len, float max) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const VecF mx = vset1(max);
+  VecF total = vzero();
+  for (int64_t p = 0; p < len; p += kLanes) {
+    const VecF e = vexp(vload_n(s + p, len - p, -inf) - mx);
+    vstore_n(s + p, e, len - p);
+    total = vadd(total, vkeep_n(e, len - p));  // lanes past len held exp(-87): not summed
+  }
+  return vsum(total);
+}
 
 // One query head, ready for dot products with K rows: the lanes of partial(k) sum to q . k
 // times the softmax scale, or to q . k when ``post`` (applied to the finished sums) is the scale.
@@ -459,6 +549,25 @@ void weighted_v(int nh, const typename S::T* v_pool, const int64_t* rows, const 
   }(std::make_integer_sequence<int, kVHeads<DIM>>{});
 }
 
+// The rest of a (row, kv head) pair once its G query heads' scores are in ``scores`` ([G][len])
+// with their running maxima (store_scores, kLanes floats per head): softmax per head, then the
+// weighted sums of V for up to kVHeads heads per pass over V, each head's output rounded once to
+// the dtype.
+template <typename S, int64_t DIM>
+void softmax_v(float* scores, int64_t len, int64_t groups, const float* max, const typename S::T* v_pool,
+               const int64_t* rows, typename S::T* out, Scratch& buf) {
+  buf.inv_sum.resize(groups);
+  for (int64_t g = 0; g < groups; ++g)
+    buf.inv_sum[g] = 1.0f / softmax_numerators_vec(scores + g * len, len, vmax_lanes(vload(max + g * kLanes)));
+  for (int64_t g0 = 0; g0 < groups; g0 += kVHeads<DIM>) {
+    const int nh = static_cast<int>(std::min<int64_t>(kVHeads<DIM>, groups - g0));
+    alignas(64) float row[kVHeads<DIM> * DIM];
+    weighted_v<S, DIM>(nh, v_pool, rows, scores + g0 * len, len, row, buf);
+    for (int h = 0; h < nh; ++h)
+      for (int64_t d = 0; d < DIM; ++d) out[(g0 + h) * DIM + d] = S::st(row[h * DIM + d] * buf.inv_sum[g0 + h]);
+  }
+}
+
 // attend_pair's math with the head in registers (DIM = 64 or 128): scores kLanes positions at
 // a time (QueryRow), then the weighted sums of V for up to kVHeads query heads per pass over V.
 // Float32 arithmetic in another order; with AVX512-BF16, bfloat16 heads use bf16 pair dot
@@ -473,7 +582,6 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
   auto& rows = buf.rows;
   auto& scores = buf.scores;
   scores.resize(groups * len);
-  buf.inv_sum.resize(groups);
   pair_rows(table, len, block_size, row_stride, kv_head * DIM, rows);
   for (int64_t r = 0; r < std::min<int64_t>(len, kLanes); ++r) prefetch_row<_MM_HINT_T0, typename S::T, DIM>(k_pool + rows[r]);
   // The thread's next pair's K rows then V rows into L2 (paged_attention says which pairs get
@@ -482,7 +590,7 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
   // flight. Measured on Zen 4 (2 cores, decode rows, K/V from memory): 1.2-1.4x spread over the
   // first head's pass only, 1.35x (float32) and 1.6-1.75x (bfloat16) over every head's.
   const int64_t next_n = static_cast<int64_t>(buf.next_rows.size()), next_total = 2 * next_n;
-  const int64_t chunks = std::max<int64_t>(1, groups * (len / kLanes)), next_step = (next_total + chunks - 1) / chunks;
+  const int64_t chunks = groups * ((len + kLanes - 1) / kLanes), next_step = (next_total + chunks - 1) / chunks;
   int64_t next_done = 0;
   auto prefetch_next = [&](int64_t upto) {
     for (upto = std::min(upto, next_total); next_done < upto; ++next_done) {
@@ -490,12 +598,14 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
       prefetch_row<_MM_HINT_T1, typename S::T, DIM>((k ? k_pool : v_pool) + buf.next_rows[k ? next_done : next_done - next_n]);
     }
   };
+  buf.max.assign(groups * kLanes, -std::numeric_limits<float>::infinity());
   for (int64_t g = 0; g < groups; ++g) {
     const QueryRow<S, DIM> qr(q + g * q_stride_h, scale);
     const VecF post = vset1(qr.post);
+    float* mx = buf.max.data() + g * kLanes;
     float* sg = scores.data() + g * len;
-    int64_t p = 0;
-    for (; p + kLanes <= len; p += kLanes) {
+    for (int64_t p = 0; p < len; p += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, len - p);
       if (g == 0) {
         // A step reads each layer's K/V once, from memory, in blocks scattered over the pool, and
         // a head's rows are strided by the other heads' (the hardware prefetcher loses the stream
@@ -503,51 +613,260 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
         // chunk's V rows ahead of the V pass. 1.5-1.9x on decode steps whose K/V are not cached.
         for (int64_t r = p + kLanes; r < std::min(len, p + 2 * kLanes); ++r)
           prefetch_row<_MM_HINT_T0, typename S::T, DIM>(k_pool + rows[r]);
-        for (int64_t r = p; r < p + kLanes; ++r) prefetch_row<_MM_HINT_T1, typename S::T, DIM>(v_pool + rows[r]);
+        for (int64_t r = p; r < p + n; ++r) prefetch_row<_MM_HINT_T1, typename S::T, DIM>(v_pool + rows[r]);
       }
       prefetch_next(next_done + next_step);
+      // A last chunk of n < kLanes positions: zero partials for the rest, whose sums are not stored
+      // (a position's lane of sum_lanes depends on its own partial only).
       VecF part[kLanes];
-      for (int r = 0; r < kLanes; ++r) part[r] = qr.partial(k_pool + rows[p + r]);
-      vstore(sg + p, vmul(sum_lanes(part), post));
+      for (int r = 0; r < kLanes; ++r) part[r] = r < n ? qr.partial(k_pool + rows[p + r]) : vzero();
+      store_scores(sg + p, vmul(sum_lanes(part), post), n, mx);
     }
-    if (g == 0)
-      for (int64_t r = p; r < len; ++r) prefetch_row<_MM_HINT_T1, typename S::T, DIM>(v_pool + rows[r]);
     if (g == groups - 1) prefetch_next(next_total);
-    for (; p < len; ++p) sg[p] = vsum(qr.partial(k_pool + rows[p])) * qr.post;
-    buf.inv_sum[g] = 1.0f / softmax_numerators(sg, len);
   }
-  for (int64_t g0 = 0; g0 < groups; g0 += kVHeads<DIM>) {
-    const int nh = static_cast<int>(std::min<int64_t>(kVHeads<DIM>, groups - g0));
-    alignas(64) float row[kVHeads<DIM> * DIM];
-    weighted_v<S, DIM>(nh, v_pool, rows.data(), scores.data() + g0 * len, len, row, buf);
-    for (int h = 0; h < nh; ++h)
-      for (int64_t d = 0; d < DIM; ++d) out[(g0 + h) * DIM + d] = S::st(row[h * DIM + d] * buf.inv_sum[g0 + h]);
+  softmax_v<S, DIM>(scores.data(), len, groups, buf.max.data(), v_pool, rows.data(), out, buf);
+}
+
+// ---- a prompt's rows in blocks: their scores from K transposed --------------------------------
+// A prompt's consecutive rows read the same K rows, each one position more than the row before.
+// attend_pair_vec scores one row at a time: 16 K rows of DIM elements multiplied lane-wise into
+// 16 partial vectors, then sum_lanes (a transpose with adds) per head, and each head reloads the
+// K rows. Here a block of the prompt's rows scores whole chunks together: the chunk's K is laid
+// out transposed once per (sequence, kv head) and thread (vector m holds element m of the
+// chunk's kLanes positions), and a lane's partial for kLanes positions is a few broadcast FMAs
+// that up to 4 query vectors share. The lanes are then summed in sum_lanes' own order, so every
+// score is bit for bit the one attend_pair_vec computes (a speculative verify's rows, a prompt
+// in chunks and a prompt at once all agree with plain decoding): the same products, rounded the
+// same, added in the same tree (a row's last chunk short of kLanes positions too: its missing
+// positions' partials are zero in both, and their sums are not stored).
+template <typename S, int64_t DIM>
+struct PromptTile {
+  // bfloat16 with AVX512-BF16 multiplies pairs (vdpbf16ps, as QueryRow<BF16>): a K vector holds
+  // element pairs as 32-bit words; otherwise K widens to float32 and q is scaled first.
+#if defined(__AVX512BF16__)
+  static constexpr bool kPairs = std::is_same_v<S, BF16>;
+#else
+  static constexpr bool kPairs = false;
+#endif
+  static constexpr int64_t M = kPairs ? DIM / 2 : DIM;  // 32-bit elements per K row
+  static constexpr int kTerms = static_cast<int>(M / kLanes);  // products summed in each lane
+
+  // q's coefficients as QueryRow uses them: float32 q * scale, or q's raw bfloat16 pairs (the
+  // scale then multiplies the finished sums: post).
+  static float post(float scale) { return kPairs ? scale : 1.0f; }
+  static void coefficients(const typename S::T* q, float scale, float* c) {
+    if constexpr (kPairs) {
+      std::memcpy(c, q, DIM * sizeof(typename S::T));
+    } else {
+      for (int64_t d = 0; d < DIM; ++d) c[d] = S::ld(q[d]) * scale;
+    }
+  }
+
+  // A chunk's first n K rows (pool offsets rows[j]) into kt[m * kLanes + j], zeros after them.
+  static void transpose(const typename S::T* k_pool, const int64_t* rows, int64_t n, float* kt) {
+    for (int j = 0; j < kLanes; ++j) {
+      if (j >= n) {
+        for (int64_t m = 0; m < M; ++m) kt[m * kLanes + j] = 0.0f;
+        continue;
+      }
+      const typename S::T* k = k_pool + rows[j];
+      if constexpr (kPairs) {
+        for (int64_t m = 0; m < M; ++m) std::memcpy(kt + m * kLanes + j, k + 2 * m, sizeof(float));
+      } else {
+        for (int64_t m = 0; m < M; ++m) kt[m * kLanes + j] = S::ld(k[m]);
+      }
+    }
+  }
+
+  // Lane l's partial for kLanes positions and R query vectors: QueryRow::partial's products and
+  // order (a multiply, then an FMA per further register of the row; or vdpbf16ps from zero).
+  template <int R>
+  static void lane(int l, const float* kt, const float* const c[R], VecF (&p)[R]) {
+    for (int i = 0; i < kTerms; ++i) {
+      const int64_t m = static_cast<int64_t>(i) * kLanes + l;
+      const VecF k = vload(kt + m * kLanes);
+      for (int r = 0; r < R; ++r) {
+#if defined(__AVX512BF16__)
+        if constexpr (kPairs) {
+          int32_t pair;
+          std::memcpy(&pair, c[r] + m, sizeof pair);
+          p[r] = _mm512_dpbf16_ps(i == 0 ? _mm512_setzero_ps() : p[r], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)_mm512_castps_si512(k));
+          continue;
+        }
+#endif
+        p[r] = i == 0 ? vmul(vset1(c[r][m]), k) : vfma(vset1(c[r][m]), k, p[r]);
+      }
+    }
+  }
+
+  // R query vectors' scores at one chunk: sum_lanes' tree over the lanes' partials, times post;
+  // lanes [0, n[r]) stored to out[r].
+  template <int R>
+  static void chunk(const float* kt, const float* const c[R], float* const out[R], const int64_t n[R], float* const mx[R],
+                    float post_scale) {
+    VecF a[R], b[R], x[R], sum[R], half[R];
+    auto pair_sum = [&](int l0, int l1, VecF (&s)[R]) {  // s = partial l0 + partial l1
+      lane<R>(l0, kt, c, a);
+      lane<R>(l1, kt, c, b);
+      for (int r = 0; r < R; ++r) s[r] = vadd(a[r], b[r]);
+    };
+    // sum_lanes: AVX-512 adds lanes (j, j+2) then (j, j+1) within each quarter, then the quarters
+    // (0, 1), (2, 3), then the halves; AVX2's hadds add (j, j+1), then (j, j+2), then the halves.
+    constexpr int kStep1 = kLanes == 16 ? 2 : 1, kStep2 = kLanes == 16 ? 1 : 2;
+    for (int quarter = 0; quarter < kLanes / 4; ++quarter) {
+      const int l = 4 * quarter;
+      pair_sum(l, l + kStep1, x);
+      pair_sum(l + kStep2, l + kStep2 + kStep1, b);
+      for (int r = 0; r < R; ++r) x[r] = vadd(x[r], b[r]);  // the quarter's four lanes
+      for (int r = 0; r < R; ++r) {
+        if (kLanes == 8) {  // two quarters: the halves
+          sum[r] = quarter == 0 ? x[r] : vadd(sum[r], x[r]);
+        } else if (quarter % 2 == 0) {
+          half[r] = x[r];
+        } else {
+          half[r] = vadd(half[r], x[r]);
+          sum[r] = quarter == 1 ? half[r] : vadd(sum[r], half[r]);
+        }
+      }
+    }
+    const VecF ps = vset1(post_scale);
+    for (int r = 0; r < R; ++r) store_scores(out[r], vmul(sum[r], ps), n[r], mx[r]);
+  }
+};
+
+// One block of a sequence's consecutive rows for kv head h: rows i = 0 .. n-1 at q + i * q_stride_t
+// attend to their first len0 + i positions (a prompt's rows, or a speculative verify's). The same
+// results as attend_pair_vec on each (row, h) pair, bit for bit (PromptTile).
+template <typename S, int64_t DIM>
+void attend_block(const typename S::T* q, int64_t q_stride_t, int64_t q_stride_h, const typename S::T* k_pool,
+                  const typename S::T* v_pool, const int64_t* table, int64_t seq, int64_t len0, int64_t n,
+                  int64_t block_size, int64_t hkv, int64_t kv_head, int64_t groups, float scale, typename S::T* out,
+                  int64_t out_stride_t, Scratch& buf) {
+  using Tile = PromptTile<S, DIM>;
+  const int64_t last = len0 + n - 1;  // the longest row's length
+  // The thread's transposed K and pool offsets of this (sequence, kv head), extended to this
+  // block's positions: a thread's blocks of one sequence and head come one after another. A
+  // chunk transposed short (zeros past the block's last position) is transposed again.
+  if (buf.kt_seq != seq || buf.kt_head != kv_head) {
+    buf.kt_seq = seq, buf.kt_head = kv_head, buf.kt_positions = 0;
+    buf.prompt_rows.clear();
+  }
+  if (static_cast<int64_t>(buf.prompt_rows.size()) < last)
+    pair_rows(table, last, block_size, hkv * DIM, kv_head * DIM, buf.prompt_rows);
+  const int64_t* rows = buf.prompt_rows.data();
+  const int64_t chunks = (last + kLanes - 1) / kLanes;
+  if (buf.kt_positions < last) {
+    buf.kt.resize(chunks * Tile::M * kLanes);
+    for (int64_t c = buf.kt_positions / kLanes; c < chunks; ++c)
+      Tile::transpose(k_pool, rows + c * kLanes, std::min<int64_t>(kLanes, last - c * kLanes),
+                      buf.kt.data() + c * Tile::M * kLanes);
+    buf.kt_positions = last;
+  }
+  // Scores: row i's G heads at scores + start[i], [G][len0 + i].
+  const int64_t qv = n * groups;
+  std::vector<int64_t>& start = buf.starts;
+  start.resize(n + 1);
+  start[0] = 0;
+  for (int64_t i = 0; i < n; ++i) start[i + 1] = start[i] + groups * (len0 + i);
+  buf.scores.resize(start[n]);
+  buf.qf.resize(qv * DIM);
+  buf.max.assign(qv * kLanes, -std::numeric_limits<float>::infinity());
+  float* scores = buf.scores.data();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < groups; ++g)
+      Tile::coefficients(q + i * q_stride_t + g * q_stride_h, scale, buf.qf.data() + (i * groups + g) * DIM);
+  const float post = Tile::post(scale);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* kt = buf.kt.data() + c * Tile::M * kLanes;
+    // the rows that reach into chunk c: len0 + i > c * kLanes
+    const int64_t first = std::max<int64_t>(0, c * kLanes + 1 - len0);
+    for (int64_t v = first * groups; v < qv; v += 4) {
+      const float* coef[4];
+      float* dst[4];
+      int64_t lanes[4];
+      float* mx[4];
+      const int r = static_cast<int>(std::min<int64_t>(4, qv - v));
+      for (int j = 0; j < r; ++j) {
+        const int64_t i = (v + j) / groups, g = (v + j) % groups;
+        coef[j] = buf.qf.data() + (v + j) * DIM;
+        dst[j] = scores + start[i] + g * (len0 + i) + c * kLanes;
+        lanes[j] = std::min<int64_t>(kLanes, len0 + i - c * kLanes);
+        mx[j] = buf.max.data() + (v + j) * kLanes;
+      }
+      switch (r) {
+        case 4: Tile::template chunk<4>(kt, coef, dst, lanes, mx, post); break;
+        case 3: Tile::template chunk<3>(kt, coef, dst, lanes, mx, post); break;
+        case 2: Tile::template chunk<2>(kt, coef, dst, lanes, mx, post); break;
+        default: Tile::template chunk<1>(kt, coef, dst, lanes, mx, post); break;
+      }
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = len0 + i;
+    softmax_v<S, DIM>(scores + start[i], len, groups, buf.max.data() + i * groups * kLanes, v_pool, rows, out + i * out_stride_t, buf);
   }
 }
 #endif
 
-// Where each thread's share of the (row, kv head) pairs starts: contiguous ranges of about equal
-// work (positions read, plus a fixed cost per pair), since a prompt's causal rows grow longer
+// A step's attention work, in order: a (row, kv head) pair, or (with the vector path) a block of
+// up to kBlockRows consecutive rows of one sequence, each one position longer than the row before
+// (a prompt's rows), for one kv head. A run of such rows is laid out head by head, its blocks in
+// order, so that a thread's blocks of one (sequence, head) follow each other (attend_block keeps
+// their transposed K).
+template <typename S>
+using BlockFn = void (*)(const typename S::T*, int64_t, int64_t, const typename S::T*, const typename S::T*,
+                         const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                         typename S::T*, int64_t, Scratch&);
+
+struct AttnUnit {
+  int64_t t0, t1, h;  // rows [t0, t1), kv head h
+};
+constexpr int64_t kBlockRows = 8, kMinBlockRows = 2;
+
+std::vector<AttnUnit> attention_units(const int64_t* seq, const int64_t* len, int64_t rows, int64_t hkv, bool blocks) {
+  std::vector<AttnUnit> units;
+  units.reserve(rows * hkv);
+  for (int64_t t = 0; t < rows;) {
+    int64_t e = t + 1;
+    while (blocks && e < rows && seq[e] == seq[t] && len[e] == len[e - 1] + 1) ++e;
+    if (e - t >= kMinBlockRows) {
+      for (int64_t h = 0; h < hkv; ++h)
+        for (int64_t b = t; b < e; b += kBlockRows) units.push_back({b, std::min(e, b + kBlockRows), h});
+    } else {
+      for (int64_t r = t; r < e; ++r)
+        for (int64_t h = 0; h < hkv; ++h) units.push_back({r, r + 1, h});
+    }
+    t = e;
+  }
+  return units;
+}
+
+// Where each thread's share of the units starts: contiguous ranges of about equal work
+// (positions read, plus a fixed cost per row and head), since a prompt's causal rows grow longer
 // down the prompt and an even split by count left one thread with ~3/4 of the work. A small
 // step (a few microseconds: one sequence decoding) stays whole, on the calling thread: waking
 // the pool would cost more than the work.
-std::vector<int64_t> balanced_split(const int64_t* row_len, int64_t rows, int64_t hkv, int64_t units) {
-  const int64_t threads = units < 2048 ? 1 : std::min<int64_t>(at::get_num_threads(), rows * hkv);
+std::vector<int64_t> balanced_split(const std::vector<AttnUnit>& units, const int64_t* row_len, int64_t work) {
+  const int64_t n = static_cast<int64_t>(units.size());
+  const int64_t threads = work < 2048 ? 1 : std::min<int64_t>(at::get_num_threads(), n);
   std::vector<int64_t> bounds{0};
   if (threads > 1) {
-    constexpr int64_t kPairCost = 16;  // the set-up of a pair, in positions
+    constexpr int64_t kPairCost = 16;  // the set-up of a row's pair, in positions
+    auto cost = [&](const AttnUnit& u) {
+      int64_t c = 0;
+      for (int64_t t = u.t0; t < u.t1; ++t) c += row_len[t] + kPairCost;
+      return c;
+    };
     int64_t total = 0;
-    for (int64_t t = 0; t < rows; ++t) total += (row_len[t] + kPairCost) * hkv;
+    for (const auto& u : units) total += cost(u);
     int64_t done = 0;
-    for (int64_t t = 0; t < rows; ++t) {
-      for (int64_t h = 0; h < hkv; ++h) {
-        done += row_len[t] + kPairCost;
-        const int64_t part = static_cast<int64_t>(bounds.size());
-        if (part < threads && done * threads >= total * part) bounds.push_back(t * hkv + h + 1);
-      }
+    for (int64_t i = 0; i < n; ++i) {
+      done += cost(units[i]);
+      const int64_t part = static_cast<int64_t>(bounds.size());
+      if (part < threads && done * threads >= total * part) bounds.push_back(i + 1);
     }
   }
-  bounds.push_back(rows * hkv);
+  bounds.push_back(n);
   return bounds;
 }
 
@@ -591,27 +910,39 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
     const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
     auto pair_fn = dim == 64 ? &attend_pair<S, 64> : dim == 128 ? &attend_pair<S, 128> : &attend_pair<S, 0>;
     bool vec = false;  // attend_pair_vec: the one that prefetches the next pair's rows
+    BlockFn<S> block_fn = nullptr;  // with vec: attend_block
 #if defined(__AVX512F__) || defined(__AVX2__)
     if constexpr (!std::is_same_v<S, F16>) {
       if (dim == 64) pair_fn = &attend_pair_vec<S, 64>;
       if (dim == 128) pair_fn = &attend_pair_vec<S, 128>;
       vec = dim == 64 || dim == 128;
+      if (dim == 64) block_fn = &attend_block<S, 64>;
+      if (dim == 128) block_fn = &attend_block<S, 128>;
     }
 #endif
-    const auto bounds = balanced_split(len_p, rows, hkv, positions * heads);
+    const auto units = attention_units(seq_p, len_p, rows, hkv, vec);
+    const auto bounds = balanced_split(units, len_p, positions * heads);
     at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part0, int64_t part1) {
       Scratch buf;
-      for (int64_t pair = bounds[part0]; pair < bounds[part1]; ++pair) {
-        const int64_t t = pair / hkv, h = pair % hkv;
+      for (int64_t i = bounds[part0]; i < bounds[part1]; ++i) {
+        const auto [t, t1, h] = units[i];
+        if (t1 - t > 1) {
+          block_fn(qp + t * qs0 + h * groups * qs1, qs0, qs1, kp, vp, tp + seq_p[t] * nb, seq_p[t], len_p[t], t1 - t,
+                   block_size, hkv, h, groups, static_cast<float>(scale), op + (t * heads + h * groups) * dim,
+                   heads * dim, buf);
+          continue;
+        }
         // The next pair's K/V rows, prefetched under this pair's compute (attend_pair_vec): a
         // decode row's K/V come from memory, in blocks scattered over the pool, and the in-pair
         // prefetch alone waits on them chunk by chunk. Not where the next row is the same
         // sequence's as the row before it (a prompt's rows): it reads what that row read, one
         // position more, so its pairs find their rows in cache.
         buf.next_rows.clear();
-        const int64_t nt = (pair + 1) / hkv, nh = (pair + 1) % hkv;
-        if (vec && pair + 1 < bounds[part1] && !(nt > 0 && seq_p[nt] == seq_p[nt - 1]))
-          pair_rows(tp + seq_p[nt] * nb, len_p[nt], block_size, hkv * dim, nh * dim, buf.next_rows);
+        if (vec && i + 1 < bounds[part1] && units[i + 1].t1 - units[i + 1].t0 == 1) {
+          const int64_t nt = units[i + 1].t0, nh = units[i + 1].h;
+          if (!(nt > 0 && seq_p[nt] == seq_p[nt - 1]))
+            pair_rows(tp + seq_p[nt] * nb, len_p[nt], block_size, hkv * dim, nh * dim, buf.next_rows);
+        }
         pair_fn(qp + t * qs0 + h * groups * qs1, qs1, kp, vp, tp + seq_p[t] * nb, len_p[t], block_size, hkv, h,
                 groups, dim, static_cast<float>(scale), op + (t * heads + h * groups) * dim, buf);
       }
