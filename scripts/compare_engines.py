@@ -4,7 +4,12 @@ One command produces the whole table (see docs/performance.md); ``--setup-only``
 external engines and writes every model file first. Every engine gets the same threads (2), the
 row's precision and the same KV memory (``--kv-gib``; default 1 GiB at 135m, 2 GiB at 1.5b).
 
-Shapes (``--shapes``; W1/W2 rows): ``135m`` random weights in SmolLM2-135M's shape (llama, the
+Workloads (``--workloads``): W1 = 16 prompts of 64-127 random ids, 32 new tokens each; W2 = 32
+prompts of 32-63 ids, 64 new; long = one prompt of 2000 ids, 16 new (an input-grounded request:
+the prompt's prefill, its attention quadratic in the length, is most of the work); these are the
+batched rows, total tok/s. single and e2e: below.
+
+Shapes (``--shapes``; batched rows): ``135m`` random weights in SmolLM2-135M's shape (llama, the
 default and fast path); ``1.5b`` random weights in Qwen2.5-1.5B's shape (Qwen2ForCausalLM: hidden
 1536, 28 layers, 12 heads, 2 KV heads, FFN 8960, vocab 151936, tied embeddings, q/k/v bias, RoPE
 base 1e6); ``real`` SmolLM2-135M-Instruct's own weights (its Q4_1 GGUF, the only copy there is,
@@ -38,15 +43,17 @@ What each engine measures (every timer covers generation only unless the row say
   caching off; wall time of the ``generate`` call. The f32 and bf16 rows share one fp32 export.
 - vLLM CPU (``vllm-cpu`` in its own venv, one long-lived worker process per row, warm):
   ``LLM.generate`` on the same ids as ``TokensPrompt``s, ``SamplingParams(max_tokens=N,
-  ignore_eos=True, temperature=0)``, block size 128, 2 OpenMP threads bound to cores 0-1,
-  ``VLLM_CPU_KVCACHE_SPACE`` = the KV GiB; wall time of the ``generate`` call. No int4 row.
+  ignore_eos=True, temperature=0)``, block size 128, prefix caching off (each round repeats the
+  same prompts), ``max_model_len`` 512 or what the long workload needs (2048), 2 OpenMP threads
+  bound to cores 0-1, ``VLLM_CPU_KVCACHE_SPACE`` = the KV GiB; wall time of the ``generate``
+  call. No int4 row.
 - llama.cpp (``llama-batched-bench``, built from the llama-cpp-python sdist's vendored tree):
   B sequences of PP random tokens prefilled in one batch, then TG decode steps of B tokens each;
   its ``speed`` = B * (PP + TG) / (prefill + decode time), which is total tok/s. It draws its own
   random token ids, so PP is the workload's mean prompt length (same total tokens, equal lengths
   instead of 64-127 mixed) and the weights are the same weights written as GGUF (llama or qwen2
   architecture); its context is exactly the tokens the batch needs, K/V in f16 (its default).
-- q4_1 rows (W1/W2 on the default model, 135m only): llama.cpp's batched bench on the default
+- q4_1 rows (the batched rows on the default model, 135m only): llama.cpp's batched bench on the default
   model's own Q4_1 GGUF, tinyllm on the same file with ``--config``.
 - single stream (default model): tinyllm ``generate`` as a subprocess with ``--config`` (default
   ``configs/fast.yaml`` when it exists), one prompt, 128 new tokens; decode tok/s = 1 / TPOT p50
@@ -62,14 +69,14 @@ What each engine measures (every timer covers generation only unless the row say
   first step, split into load_s (stats), the first step (TTFT) and the rest (interpreter, imports,
   config, plus writing and exit, again an upper bound).
 
-Greedy agreement (the ``agree`` columns, per W1/W2 row and engine): each engine's first-round
+Greedy agreement (the ``agree`` columns, per batched row and engine): each engine's first-round
 tokens against transformers' greedy tokens on the same ids, transformers in the row's precision
 (f32 for the int4 rows): sequences equal in full, and the fraction of tokens before each
 sequence's first difference. llama.cpp's timed runs produce no tokens, so its tokens come from
 an untimed greedy pass over the same GGUF (compare_llamacpp_worker.py: the sdist's Python layer
 on the library built here, one prompt at a time).
 
-Where the limit is (the second table, per W1/W2 row): each engine's achieved GFLOP/s and GB/s
+Where the limit is (the second table, per batched row): each engine's achieved GFLOP/s and GB/s
 and their fractions of this CPU's measured matmul peak and read bandwidth. The work is the
 workload's, the same for every engine (``tinyllm_cli.roofline.workload_work``: weight matmuls plus
 attention FLOPs, weights streamed once per forward plus K/V bytes, with tinyllm's model for the
@@ -119,14 +126,15 @@ sys.path.insert(0, str(REPO))  # this checkout's tinyllm_cli wins over an instal
 ENGINES = ("tinyllm", "hf", "openvino", "vllm", "llamacpp")
 ENGINE_NAMES = {"tinyllm": "tinyllm", "hf": "transformers", "openvino": "OpenVINO GenAI", "vllm": "vLLM CPU",
                 "llamacpp": "llama.cpp"}
-BENCHES = ("W1", "W2", "single", "e2e")
+BENCHES = ("W1", "W2", "long", "single", "e2e")
+BATCHED = ("W1", "W2", "long")  # the rows every engine runs on each shape and dtype
 DTYPES = ("float32", "bfloat16", "int4", "q4_1")
 DEFAULT_DTYPES = ("float32", "bfloat16", "int4")
 # "int4": each shape's own weights in 4 bits per engine: tinyllm (configs/fast.yaml's settings) and
 # llama.cpp on one Q4_1 GGUF that llama-quantize makes from the f32 GGUF, OpenVINO GenAI on its
 # NNCF int4 export; no transformers / vLLM row (transformers fp32 is the reference it is scored on).
 INT4 = "int4"
-# "q4_1": W1/W2 on the default model itself: llama.cpp on its Q4_1 GGUF as shipped, tinyllm with
+# "q4_1": the batched rows on the default model itself: llama.cpp on its Q4_1 GGUF as shipped, tinyllm with
 # --config (whatever that config does with the weights); no transformers / vLLM on this row.
 Q4 = "q4_1"
 VLLM_VERSION = "0.32.0"
@@ -141,7 +149,7 @@ SINGLE_PROMPT = "Explain what a hash table is in two sentences."
 
 @dataclass(frozen=True)
 class Shape:
-    """A model for the W1/W2 rows: ``title`` names its weights, ``kv_gib`` is the KV memory every
+    """A model for the batched rows: ``title`` names its weights, ``kv_gib`` is the KV memory every
     engine gets by default (``--kv-gib`` overrides)."""
     name: str
     title: str
@@ -166,8 +174,17 @@ class Workload:
     output_len: int
 
 
-FULL = {"W1": Workload(16, 96, 0.333, 32), "W2": Workload(32, 48, 0.333, 64), "e2e": Workload(64, 48, 0.333, 64)}
-QUICK = {"W1": Workload(4, 12, 0.333, 4), "W2": Workload(6, 6, 0.333, 8), "e2e": Workload(8, 6, 0.333, 8)}
+FULL = {"W1": Workload(16, 96, 0.333, 32), "W2": Workload(32, 48, 0.333, 64), "long": Workload(1, 2000, 0.0, 16),
+        "e2e": Workload(64, 48, 0.333, 64)}
+QUICK = {"W1": Workload(4, 12, 0.333, 4), "W2": Workload(6, 6, 0.333, 8), "long": Workload(1, 40, 0.0, 4),
+         "e2e": Workload(8, 6, 0.333, 8)}
+
+
+def longest_sequence(workloads: dict, benches) -> int:
+    """Positions the longest sequence of these workloads reaches (its prompt's longest draw plus
+    its new tokens): the context an engine must accept for them."""
+    return max((int(wl.input_len * (1 + wl.range_ratio)) + 1 + wl.output_len
+                for b, wl in workloads.items() if b in benches), default=0)
 SINGLE_NEW = {"full": 128, "quick": 8}
 
 
@@ -708,6 +725,13 @@ def vllm_env(kv_gib: int) -> dict:
                          "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
 
 
+def vllm_model_len(workloads: dict, benches) -> int:
+    """vLLM's ``max_model_len`` for these workloads: 512 (W1/W2's), or the longest sequence's
+    positions rounded up to its 128-token blocks (long: 2048, tinyllm's own default)."""
+    need = longest_sequence(workloads, benches)
+    return max(512, -(-need // 128) * 128)
+
+
 WORKER = Path(__file__).resolve().parent / "compare_vllm_worker.py"
 OV_WORKER = Path(__file__).resolve().parent / "compare_openvino_worker.py"
 
@@ -782,8 +806,10 @@ class VLLMEngine(WorkerEngine):
 
     name = "vLLM"
 
-    def __init__(self, py: Path, model_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float):
-        cmd = [str(py), str(WORKER), "serve", "--model", str(model_dir), "--dtype", dtype]
+    def __init__(self, py: Path, model_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float,
+                 max_model_len: int = 512):
+        cmd = [str(py), str(WORKER), "serve", "--model", str(model_dir), "--dtype", dtype,
+               "--max-model-len", str(max_model_len)]
         super().__init__(cmd, vllm_env(kv_gib), logfile, timeout)
 
 
@@ -1074,7 +1100,7 @@ def row_factories(cmp: Comparison, ctx: dict, shape: str, dtype: str) -> dict:
                                                ov_precision(dtype, cmp.cpu), a.cache_dir / "openvino-runs.log",
                                                kv, a.vllm_timeout),
             "vllm": lambda: VLLMEngine(ctx["vllm_py"](), hf_dir, dtype, a.cache_dir / "vllm-runs.log", kv,
-                                       a.vllm_timeout),
+                                       a.vllm_timeout, vllm_model_len(ctx["workloads"], a.workloads)),
             "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
 
 
@@ -1142,16 +1168,24 @@ def mem_available() -> int | None:
 def run_batched(cmp: Comparison, ctx: dict) -> None:
     """For each shape and dtype: the engines, round robin over repeats (see run_rounds)."""
     a = cmp.args
-    benches = [b for b in a.workloads if b in ("W1", "W2")]
+    benches = [b for b in a.workloads if b in BATCHED]
     if not benches:
         return
     for shape in a.shapes:
         try:
             hf_dir = ctx["hf_dir"](shape)
-            prompts = {b: shape_prompts(shape, hf_dir, ctx["workloads"][b], a.seed) for b in benches}
         except Exception as e:  # noqa: BLE001 (the other shapes still run)
             log(f"shape {shape}: skipped: {type(e).__name__}: {e}")
             cmp.notes[f"shape {shape}"] = str(e)
+            continue
+        prompts = {}
+        for b in benches:
+            try:
+                prompts[b] = shape_prompts(shape, hf_dir, ctx["workloads"][b], a.seed)
+            except Exception as e:  # noqa: BLE001 (the shape's other workloads still run)
+                log(f"shape {shape}, {b}: skipped: {type(e).__name__}: {e}")
+                cmp.notes[f"shape {shape} {b}"] = str(e)
+        if not prompts:
             continue
         for dtype in a.dtypes:
             factories = {n: f for n, f in row_factories(cmp, ctx, shape, dtype).items()
@@ -1525,7 +1559,7 @@ def startup_notes(cmp: Comparison) -> list[str]:
 def caption(cmp: Comparison) -> str:
     shapes = "; ".join(f"{s}: {SHAPES[s].title}, {kv_gib(cmp.args, s)} GiB KV" for s in cmp.args.shapes)
     versions = ", ".join(f"{k} {v}" for k, v in cmp.versions.items())
-    return (f"W1/W2: total tok/s ({shapes}); e2e: seconds on the 135m shape; single: decode tok/s on the "
+    return (f"W1/W2/long: total tok/s ({shapes}); e2e: seconds on the 135m shape; single: decode tok/s on the "
             "default model (llama.cpp on its Q4_1 file); start-up: process start to generation; llama.cpp "
             "batched rows are llama-batched-bench at the mean prompt length; agree: sequences equal to "
             "transformers' greedy output / prefix fraction (int4 rows against transformers f32)"
@@ -1547,11 +1581,11 @@ def parse_args(argv=None):
                                             "llama.cpp on the same prompt ids; one table of tok/s, ratios and "
                                             "greedy agreement (stderr).")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {','.join(ENGINES)}")
-    p.add_argument("--workloads", default=",".join(BENCHES), help="comma list of W1,W2,single,e2e")
+    p.add_argument("--workloads", default=",".join(BENCHES), help=f"comma list of {','.join(BENCHES)}")
     p.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES),
                    help="comma list of float32,bfloat16,int4,q4_1 (int4: each shape in 4 bits per engine; "
-                        "q4_1: W1/W2 on the default model's own GGUF)")
-    p.add_argument("--shapes", default="135m", help=f"comma list of {','.join(SHAPES)} for W1/W2 (see SHAPES)")
+                        "q4_1: the batched rows on the default model's own GGUF)")
+    p.add_argument("--shapes", default="135m", help=f"comma list of {','.join(SHAPES)} for the batched rows (see SHAPES)")
     p.add_argument("--kv-gib", default=None, help="KV memory per engine in GiB, one number or per shape "
                                                   "('135m=1,1.5b=2'; default: " + ", ".join(
                                                       f"{s.name}={s.kv_gib}" for s in SHAPES.values()) + ")")
@@ -1563,7 +1597,7 @@ def parse_args(argv=None):
     p.add_argument("--config", type=Path, default=None,
                    help="tinyllm config for the single-stream run and the int4 rows (default configs/fast.yaml)")
     p.add_argument("--batch-config", type=Path, default=None,
-                   help="tinyllm config for W1/W2/e2e (model and dtype are overridden; default: built-in)")
+                   help="tinyllm config for W1/W2/long/e2e (model and dtype are overridden; default: built-in)")
     p.add_argument("--hf-dir", type=Path, help="HF model directory for the 135m shape (default: random weights in "
                                                "the default model's shape, made once in the cache dir)")
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get(

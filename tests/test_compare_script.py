@@ -45,16 +45,16 @@ def _run(args, tmp_path):
 
 def test_quick_compare_tinyllm_and_transformers(llama_dir, tmp_path):
     out = tmp_path / "compare.json"
-    p = _run(["--quick", "--engines", "tinyllm,hf", "--workloads", "W1,W2", "--dtypes", "float32",
+    p = _run(["--quick", "--engines", "tinyllm,hf", "--workloads", "W1,W2,long", "--dtypes", "float32",
               "--repeat", "2", "--settle", "0", "--hf-dir", str(llama_dir), "--json", str(out)], tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stdout == ""  # the table and the log go to stderr
-    assert "tinyllm / transformers" in p.stderr and "W1" in p.stderr and "W2" in p.stderr
+    assert "tinyllm / transformers" in p.stderr and all(b in p.stderr for b in ce.BATCHED)
     res = json.loads(out.read_text())
     assert res["cpu"]["model_name"] in p.stderr
     cells = {(c["bench"], c["dtype"], c["engine"]): c for c in res["cells"]}
     assert {c["shape"] for c in res["cells"]} == {"135m"}
-    assert set(cells) == {(b, "float32", e) for b in ("W1", "W2") for e in ("tinyllm", "hf")}
+    assert set(cells) == {(b, "float32", e) for b in ce.BATCHED for e in ("tinyllm", "hf")}
     for (bench, _, _), c in cells.items():
         wl = ce.QUICK[bench]
         prompts = ce.make_prompts(llama_dir, wl, 0)
@@ -71,7 +71,7 @@ def test_quick_compare_tinyllm_and_transformers(llama_dir, tmp_path):
         assert "tinyllm / vLLM" not in row and row.get("vllm") is None
     # The tiny model's weights are scaled so greedy decoding is decided by the model, not float noise:
     # transformers and tinyllm must produce the same tokens for every prompt.
-    for bench in ("W1", "W2"):
+    for bench in ce.BATCHED:
         wl = ce.QUICK[bench]
         ag = res["agreement_vs_transformers"][f"135m/{bench}/float32/tinyllm"]
         assert ag["exact"] == ag["n"] == wl.num_prompts and ag["prefix_frac"] == 1.0
@@ -355,3 +355,13 @@ def test_a_worker_that_exits_is_skipped_with_its_last_words(tmp_path):
     silent = [sys.executable, "-c", "import time; time.sleep(5)"]
     with pytest.raises(ce.Skip, match="worker hung"):
         ce.WorkerEngine(silent, dict(os.environ), log, timeout=0.5)
+
+
+def test_vllm_gets_the_context_the_chosen_workloads_need(llama_dir):
+    """vLLM's worker defaults to a 512-position context; the long workload's prompt alone is 2000
+    ids, so its row asks for what the longest sequence reaches (in vLLM's 128-token blocks)."""
+    for bench, wl in ce.FULL.items():  # the bound covers every prompt the seeded draw makes
+        longest = max(map(len, ce.make_prompts(llama_dir, wl, 0))) + wl.output_len
+        assert longest <= ce.longest_sequence(ce.FULL, [bench]) <= longest + wl.input_len * wl.range_ratio + 2
+    assert ce.vllm_model_len(ce.FULL, ["W1", "W2"]) == 512
+    assert ce.vllm_model_len(ce.FULL, ["W1", "long"]) == 2048
