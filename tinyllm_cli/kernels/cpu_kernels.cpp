@@ -176,10 +176,9 @@ struct Scratch {
   std::vector<int64_t> rows;       // pool element offset of each position's K/V row (the vector path)
   std::vector<int64_t> next_rows;  // the same for the thread's next pair, if its K/V are to be prefetched
   std::vector<uint16_t> wb;        // bfloat16 softmax weights of a batch of heads (the bfloat16 V pass)
-  // attend_block: K transposed by whole chunks of one (sequence, kv head), its pool offsets, and
-  // where each row's scores start.
+  // attend_block: K transposed by chunks of one (sequence, kv head), and its pool offsets.
   std::vector<float> kt;
-  std::vector<int64_t> prompt_rows, starts;
+  std::vector<int64_t> prompt_rows;
   int64_t kt_seq = -1, kt_head = -1, kt_positions = 0;
 };
 
@@ -444,13 +443,16 @@ struct QueryRow<BF16, DIM> {
 template <int64_t DIM>
 constexpr int kVHeads = std::max<int>(1, (kLanes == 16 ? 24 : 12) / static_cast<int>(DIM / kLanes));
 
-// out[h * DIM + d] = sum_t w[h * len + t] * V[t][d] for NH heads, in float32, over the rows at
-// pool offsets ``rows``: each V row is loaded once for all NH heads (a group's heads share it).
+// out[h * DIM + d] = sum_t w[h * ws + t] * V[t][d], t < len, for NH heads (ws >= len: the
+// weights' row stride), in float32, over the rows at pool offsets ``rows``: each V row is loaded
+// once for all NH heads (a group's heads share it, and attend_block's rows share it too). A head
+// whose weights are exact zeros past some t gets the bits it would get with len = t (each
+// accumulator adds 0 * v, which is +0 for a finite v, to a sum that is never -0).
 template <typename S, int64_t DIM>
 struct WeightedV {
   template <int NH>
-  static void run(const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t len, float* out,
-                  Scratch&) {
+  static void run(const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t ws, int64_t len,
+                  float* out, Scratch&) {
     constexpr int R = DIM / kLanes;
     VecF acc[NH][R];
     for (int h = 0; h < NH; ++h)
@@ -458,7 +460,7 @@ struct WeightedV {
     for (int64_t t = 0; t < len; ++t) {
       const typename S::T* v = v_pool + rows[t];
       VecF wt[NH];
-      for (int h = 0; h < NH; ++h) wt[h] = vset1(w[h * len + t]);
+      for (int h = 0; h < NH; ++h) wt[h] = vset1(w[h * ws + t]);
       for (int i = 0; i < R; ++i) {
         const VecF vi = vload(v + kLanes * i);
         for (int h = 0; h < NH; ++h) acc[h][i] = vfma(wt[h], vi, acc[h][i]);
@@ -478,8 +480,8 @@ struct WeightedV {
 template <int64_t DIM>
 struct WeightedV<BF16, DIM> {
   template <int NH>
-  static void run(const uint16_t* v_pool, const int64_t* rows, const float* w, int64_t len, float* out,
-                  Scratch& buf) {
+  static void run(const uint16_t* v_pool, const int64_t* rows, const float* w, int64_t ws, int64_t len,
+                  float* out, Scratch& buf) {
     constexpr int H = DIM / 32;  // 512-bit loads per row (32 bfloat16 each)
     const int64_t even = (len + 1) & ~int64_t{1};
     buf.wb.resize(NH * even + 16);
@@ -487,7 +489,7 @@ struct WeightedV<BF16, DIM> {
       uint16_t* wb = buf.wb.data() + h * even;
       for (int64_t t = 0; t < len; t += 16) {
         const __mmask16 m = len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
-        const __m256bh r = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, w + h * len + t));
+        const __m256bh r = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, w + h * ws + t));
         _mm256_mask_storeu_epi16(wb + t, m, (__m256i)r);
       }
       if (len < even) wb[len] = 0;
@@ -542,10 +544,10 @@ inline void prefetch_row(const T* p) {
 
 // WeightedV for ``nh`` (1 .. kVHeads) heads, the count as a compile-time constant.
 template <typename S, int64_t DIM>
-void weighted_v(int nh, const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t len, float* out,
+void weighted_v(int nh, const typename S::T* v_pool, const int64_t* rows, const float* w, int64_t ws, int64_t len, float* out,
                 Scratch& buf) {
   [&]<int... I>(std::integer_sequence<int, I...>) {
-    ((nh == I + 1 ? WeightedV<S, DIM>::template run<I + 1>(v_pool, rows, w, len, out, buf) : void()), ...);
+    ((nh == I + 1 ? WeightedV<S, DIM>::template run<I + 1>(v_pool, rows, w, ws, len, out, buf) : void()), ...);
   }(std::make_integer_sequence<int, kVHeads<DIM>>{});
 }
 
@@ -562,7 +564,7 @@ void softmax_v(float* scores, int64_t len, int64_t groups, const float* max, con
   for (int64_t g0 = 0; g0 < groups; g0 += kVHeads<DIM>) {
     const int nh = static_cast<int>(std::min<int64_t>(kVHeads<DIM>, groups - g0));
     alignas(64) float row[kVHeads<DIM> * DIM];
-    weighted_v<S, DIM>(nh, v_pool, rows, scores + g0 * len, len, row, buf);
+    weighted_v<S, DIM>(nh, v_pool, rows, scores + g0 * len, len, len, row, buf);
     for (int h = 0; h < nh; ++h)
       for (int64_t d = 0; d < DIM; ++d) out[(g0 + h) * DIM + d] = S::st(row[h * DIM + d] * buf.inv_sum[g0 + h]);
   }
@@ -768,13 +770,10 @@ void attend_block(const typename S::T* q, int64_t q_stride_t, int64_t q_stride_h
                       buf.kt.data() + c * Tile::M * kLanes);
     buf.kt_positions = last;
   }
-  // Scores: row i's G heads at scores + start[i], [G][len0 + i].
+  // Scores: query vector v = i * G + g (row i, head g) at scores + v * last, its first len0 + i
+  // entries (one stride for all, so that rows can share a pass over V).
   const int64_t qv = n * groups;
-  std::vector<int64_t>& start = buf.starts;
-  start.resize(n + 1);
-  start[0] = 0;
-  for (int64_t i = 0; i < n; ++i) start[i + 1] = start[i] + groups * (len0 + i);
-  buf.scores.resize(start[n]);
+  buf.scores.resize(qv * last);
   buf.qf.resize(qv * DIM);
   buf.max.assign(qv * kLanes, -std::numeric_limits<float>::infinity());
   float* scores = buf.scores.data();
@@ -793,9 +792,9 @@ void attend_block(const typename S::T* q, int64_t q_stride_t, int64_t q_stride_h
       float* mx[kTileQ];
       const int r = static_cast<int>(std::min<int64_t>(kTileQ, qv - v));
       for (int j = 0; j < r; ++j) {
-        const int64_t i = (v + j) / groups, g = (v + j) % groups;
+        const int64_t i = (v + j) / groups;
         coef[j] = buf.qf.data() + (v + j) * DIM;
-        dst[j] = scores + start[i] + g * (len0 + i) + c * kLanes;
+        dst[j] = scores + (v + j) * last + c * kLanes;
         lanes[j] = std::min<int64_t>(kLanes, len0 + i - c * kLanes);
         mx[j] = buf.max.data() + (v + j) * kLanes;
       }
@@ -804,9 +803,26 @@ void attend_block(const typename S::T* q, int64_t q_stride_t, int64_t q_stride_h
       }(std::make_integer_sequence<int, kTileQ>{});
     }
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t len = len0 + i;
-    softmax_v<S, DIM>(scores + start[i], len, groups, buf.max.data() + i * groups * kLanes, v_pool, rows, out + i * out_stride_t, buf);
+  // Softmax per query vector over its own row's positions, zeros after them up to the block's
+  // last; then P.V for up to kVHeads query vectors per pass over V, rows sharing it (a pass runs
+  // to its last row's length; a shorter row's zero weights leave its sums' bits as alone).
+  buf.inv_sum.resize(qv);
+  for (int64_t v = 0; v < qv; ++v) {
+    const int64_t len = len0 + v / groups;
+    float* sv = scores + v * last;
+    buf.inv_sum[v] = 1.0f / softmax_numerators_vec(sv, len, vmax_lanes(vload(buf.max.data() + v * kLanes)));
+    std::fill(sv + len, sv + last, 0.0f);
+  }
+  for (int64_t v0 = 0; v0 < qv; v0 += kVHeads<DIM>) {
+    const int nh = static_cast<int>(std::min<int64_t>(kVHeads<DIM>, qv - v0));
+    const int64_t len = len0 + (v0 + nh - 1) / groups;
+    alignas(64) float row[kVHeads<DIM> * DIM];
+    weighted_v<S, DIM>(nh, v_pool, rows, scores + v0 * last, last, len, row, buf);
+    for (int h = 0; h < nh; ++h) {
+      const int64_t v = v0 + h, i = v / groups, g = v % groups;
+      typename S::T* o = out + i * out_stride_t + g * DIM;
+      for (int64_t d = 0; d < DIM; ++d) o[d] = S::st(row[h * DIM + d] * buf.inv_sum[v]);
+    }
   }
 }
 #endif
