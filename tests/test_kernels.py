@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from tinyllm_cli import kernels
 from tinyllm_cli.cache.attention import causal_attention, chunk_mask, decode_attention, resolve_attention
 from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
+from tinyllm_cli.machine import cpu_flags_line
 from tinyllm_cli.model.llama import apply_rope, use_native_ops
 
 from conftest import run_without_kernels
@@ -128,16 +130,14 @@ def test_paged_attention_prefill_rows_match_causal_sdpa(dtype, block_size):
     torch.testing.assert_close(got.float(), torch.cat(want).float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (14, 2, 128), (7, 1, 64), (4, 4, 128)])
-def test_prompt_rows_in_blocks_equal_rows_one_at_a_time_bit_for_bit(dtype, block_size, heads, kv_heads, dim):
-    """A prompt's consecutive rows are scored in blocks from K transposed (attend_block); a row
-    alone takes the pair path. Each row's output must be the same bits either way, or a
-    speculative verify, a chunked prompt and plain decoding would disagree. The step mixes a
-    decode row, a whole prompt (1-129 rows: whole and partial chunks, blocks of 8 and a remainder),
-    a chunk after cached positions, and a sequence of 2 rows."""
+BLOCK_CASES = [(dtype, block_size, heads, kv_heads, dim) for dtype in (torch.float32, torch.bfloat16)
+               for block_size in (1, 16, 32) for heads, kv_heads, dim in ((9, 3, 64), (14, 2, 128), (7, 1, 64), (4, 4, 128))]
+
+
+def rows_alone_and_together(dtype, block_size, heads, kv_heads, dim) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's attention through the kernel, all rows in one call and each row alone. The step
+    mixes a decode row, a whole prompt (129 rows: whole and partial chunks, blocks of 8 and a
+    remainder), a chunk of 23 rows after cached positions, and a sequence of 2 rows."""
     lens = [40, 129, 75, 37]
     n_rows = [1, 129, 23, 2]
     g = torch.Generator().manual_seed(block_size + dim)
@@ -157,7 +157,45 @@ def test_prompt_rows_in_blocks_equal_rows_one_at_a_time_bit_for_bit(dtype, block
     together = kernels.paged_attention(q, kp, vp, tables, row_seq, row_len, block_size, scale)
     alone = torch.cat([kernels.paged_attention(q[t:t + 1], kp, vp, tables, row_seq[t:t + 1], row_len[t:t + 1],
                                                block_size, scale) for t in range(len(row_seq))])
+    return together, alone
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,block_size,heads,kv_heads,dim", BLOCK_CASES)
+def test_prompt_rows_in_blocks_equal_rows_one_at_a_time_bit_for_bit(dtype, block_size, heads, kv_heads, dim):
+    """A prompt's consecutive rows are scored in blocks from K transposed and share passes over V
+    (attend_block); a row alone takes the pair path. Each row's output must be the same bits
+    either way, or a speculative verify, a chunked prompt and plain decoding would disagree."""
+    together, alone = rows_alone_and_together(dtype, block_size, heads, kv_heads, dim)
     assert torch.equal(together, alone)
+
+
+@needs_kernels
+@pytest.mark.skipif("avx2" not in cpu_flags_line().split() or "fma" not in cpu_flags_line().split(),
+                    reason="an AVX2 build needs an x86 CPU with AVX2 and FMA")
+def test_an_avx2_build_keeps_prompt_blocks_bit_for_bit(tmp_path):
+    """The kernels build for the CPU they run on (-march=native), so an AVX-512 host never runs
+    their AVX2 paths (8-lane registers, sum_lanes' other tree), which AVX2-only CPUs (Zen 3) take.
+    This builds them for AVX2 alone, in a process of its own, and runs the bit-for-bit check and
+    the causal-SDPA check there."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from tinyllm_cli import kernels
+kernels.CFLAGS = ("-O3", "-march=haswell", "-fopenmp")
+assert kernels.load(), kernels.load_error()
+assert kernels.panel_isa() == "avx2", kernels.panel_isa()
+import torch, test_kernels as t
+for case in t.BLOCK_CASES:
+    together, alone = t.rows_alone_and_together(*case)
+    assert torch.equal(together, alone), case
+for dtype in (torch.float32, torch.bfloat16):
+    t.test_paged_attention_prefill_rows_match_causal_sdpa(dtype, 16)
+print("ok", len(t.BLOCK_CASES))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env=os.environ | {"PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert p.returncode == 0 and p.stdout.strip() == f"ok {len(BLOCK_CASES)}", p.stderr[-3000:]
 
 
 @needs_kernels
