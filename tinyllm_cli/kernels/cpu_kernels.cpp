@@ -629,7 +629,7 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
   softmax_v<S, DIM>(scores.data(), len, groups, buf.max.data(), v_pool, rows.data(), out, buf);
 }
 
-// ---- a prompt's rows in blocks: their scores from K transposed --------------------------------
+// ---- a prompt's rows in blocks: scores from K transposed, passes over V shared ------------------
 // A prompt's consecutive rows read the same K rows, each one position more than the row before.
 // attend_pair_vec scores one row at a time: 16 K rows of DIM elements multiplied lane-wise into
 // 16 partial vectors, then sum_lanes (a transpose with adds) per head, and each head reloads the
@@ -640,7 +640,8 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
 // score is bit for bit the one attend_pair_vec computes (a speculative verify's rows, a prompt
 // in chunks and a prompt at once all agree with plain decoding): the same products, rounded the
 // same, added in the same tree (a row's last chunk short of kLanes positions too: its missing
-// positions' partials are zero in both, and their sums are not stored).
+// positions' partials are zero in both, and their sums are not stored). The rows then share
+// each pass over V (attend_block, WeightedV).
 constexpr int kTileQ = 4;  // query vectors one pass over a chunk's K scores
 
 template <typename S, int64_t DIM>
