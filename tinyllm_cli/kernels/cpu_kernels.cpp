@@ -307,6 +307,31 @@ inline VecF sum_lanes(VecF v[16]) {
   // (v0-3, v4-7, v8-11, v12-15), each quarter now summed over all four
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
+
+// r[i] lane j -> r[j] lane i (a 16 x 16 transpose of 32-bit elements): pairs of rows interleaved
+// by 32 bits, then by 64 (b[4i + c] holds rows 4i..4i+3 of column 4L + c in its 128-bit lane L),
+// then the 128-bit lanes across b[c], b[4 + c], b[8 + c], b[12 + c].
+inline void transpose_lanes(VecF r[16]) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    b[4 * i] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0x44);
+    b[4 * i + 1] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0xEE);
+    b[4 * i + 2] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
+    b[4 * i + 3] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 p0 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x44), p1 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xEE);
+    const __m512 p2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x44), p3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(p0, p2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(p0, p2, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(p1, p3, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(p1, p3, 0xDD);
+  }
+}
 #else
 using VecF = __m256;
 constexpr int kLanes = 8;
@@ -357,6 +382,25 @@ inline VecF sum_lanes(VecF v[8]) {
   const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
   const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // per half: v0..v3, v4..v7
   return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// r[i] lane j -> r[j] lane i (8 x 8): rows interleaved by 32 bits, then 64, then the halves.
+inline void transpose_lanes(VecF r[8]) {
+  __m256 a[8], b[8];
+  for (int i = 0; i < 4; ++i) {
+    a[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    b[4 * i] = _mm256_shuffle_ps(a[4 * i], a[4 * i + 2], 0x44);
+    b[4 * i + 1] = _mm256_shuffle_ps(a[4 * i], a[4 * i + 2], 0xEE);
+    b[4 * i + 2] = _mm256_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
+    b[4 * i + 3] = _mm256_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(b[c], b[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(b[c], b[4 + c], 0x31);
+  }
 }
 #endif
 
@@ -667,19 +711,24 @@ struct PromptTile {
     }
   }
 
-  // A chunk's first n K rows (pool offsets rows[j]) into kt[m * kLanes + j], zeros after them.
+  // A chunk's first n K rows (pool offsets rows[j]) into kt[m * kLanes + j], zeros after them:
+  // kLanes x kLanes blocks transposed in registers (element by element it cost a verify of a few
+  // rows over cached positions more than the rows alone took).
   static void transpose(const typename S::T* k_pool, const int64_t* rows, int64_t n, float* kt) {
-    for (int j = 0; j < kLanes; ++j) {
-      if (j >= n) {
-        for (int64_t m = 0; m < M; ++m) kt[m * kLanes + j] = 0.0f;
-        continue;
+    for (int64_t sl = 0; sl < M / kLanes; ++sl) {
+      VecF r[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        const typename S::T* k = k_pool + rows[std::min<int64_t>(j, n - 1)];
+#if defined(__AVX512BF16__)
+        if constexpr (kPairs) {  // 32-bit words sl * kLanes .. : the pairs, bits unchanged
+          r[j] = j < n ? _mm512_loadu_ps(reinterpret_cast<const float*>(k) + sl * kLanes) : vzero();
+          continue;
+        }
+#endif
+        r[j] = j < n ? vload(k + sl * kLanes) : vzero();
       }
-      const typename S::T* k = k_pool + rows[j];
-      if constexpr (kPairs) {
-        for (int64_t m = 0; m < M; ++m) std::memcpy(kt + m * kLanes + j, k + 2 * m, sizeof(float));
-      } else {
-        for (int64_t m = 0; m < M; ++m) kt[m * kLanes + j] = S::ld(k[m]);
-      }
+      transpose_lanes(r);
+      for (int l = 0; l < kLanes; ++l) vstore(kt + (sl * kLanes + l) * kLanes, r[l]);
     }
   }
 
@@ -766,9 +815,19 @@ void attend_block(const typename S::T* q, int64_t q_stride_t, int64_t q_stride_h
   const int64_t chunks = (last + kLanes - 1) / kLanes;
   if (buf.kt_positions < last) {
     buf.kt.resize(chunks * Tile::M * kLanes);
-    for (int64_t c = buf.kt_positions / kLanes; c < chunks; ++c)
+    // K of earlier positions (a chunk after cached ones, a speculative verify) comes from memory,
+    // in blocks scattered over the pool and strided by the other heads' rows: ask for the chunk
+    // after next while this one is transposed (without it a verify of 5 rows over 500 cached
+    // positions ran 0.6x the rows alone).
+    constexpr int64_t kAhead = 2;
+    for (int64_t p = buf.kt_positions / kLanes * kLanes; p < std::min(last, (buf.kt_positions / kLanes + kAhead) * kLanes); ++p)
+      prefetch_row<_MM_HINT_T0, typename S::T, DIM>(k_pool + rows[p]);
+    for (int64_t c = buf.kt_positions / kLanes; c < chunks; ++c) {
+      for (int64_t p = (c + kAhead) * kLanes; p < std::min(last, (c + kAhead + 1) * kLanes); ++p)
+        prefetch_row<_MM_HINT_T0, typename S::T, DIM>(k_pool + rows[p]);
       Tile::transpose(k_pool, rows + c * kLanes, std::min<int64_t>(kLanes, last - c * kLanes),
                       buf.kt.data() + c * Tile::M * kLanes);
+    }
     buf.kt_positions = last;
   }
   // Scores: query vector v = i * G + g (row i, head g) at scores + v * last, its first len0 + i
@@ -841,7 +900,12 @@ using BlockFn = void (*)(const typename S::T*, int64_t, int64_t, const typename 
 struct AttnUnit {
   int64_t t0, t1, h;  // rows [t0, t1), kv head h
 };
-constexpr int64_t kBlockRows = 8, kMinBlockRows = 2;
+// A run shorter than kMinBlockRows stays in pairs: transposing a long context's K for a few rows
+// (a speculative verify, a short chunk after cached positions) cost more than it saved. With K
+// from memory (30 layers' pools, 1500 positions, Zen 4), blocks against pairs at 2 / 4 / 8 / 16
+// rows: 9 heads over 3 kv heads 0.70x / 0.81x / 1.05x / 1.20x; one kv head per head (32 x 64)
+// wins from 2 rows, 12 over 2 x 128 from 4.
+constexpr int64_t kBlockRows = 8, kMinBlockRows = 8;
 
 std::vector<AttnUnit> attention_units(const int64_t* seq, const int64_t* len, int64_t rows, int64_t hkv, bool blocks) {
   std::vector<AttnUnit> units;
