@@ -815,10 +815,10 @@ void attend_block(const typename S::T* q, int64_t q_stride_t, int64_t q_stride_h
   const int64_t chunks = (last + kLanes - 1) / kLanes;
   if (buf.kt_positions < last) {
     buf.kt.resize(chunks * Tile::M * kLanes);
-    // K of earlier positions (a chunk after cached ones, a speculative verify) comes from memory,
-    // in blocks scattered over the pool and strided by the other heads' rows: ask for the chunk
-    // after next while this one is transposed (without it a verify of 5 rows over 500 cached
-    // positions ran 0.6x the rows alone).
+    // K of earlier positions (a chunk after cached ones, a long verify) comes from memory, in
+    // blocks scattered over the pool and strided by the other heads' rows: ask for the chunk
+    // after next while this one is transposed (8 rows over 1500 cached positions, 30 layers:
+    // 0.76x -> 0.92x the rows in pairs, before the transpose moved into registers).
     constexpr int64_t kAhead = 2;
     for (int64_t p = buf.kt_positions / kLanes * kLanes; p < std::min(last, (buf.kt_positions / kLanes + kAhead) * kLanes); ++p)
       prefetch_row<_MM_HINT_T0, typename S::T, DIM>(k_pool + rows[p]);
