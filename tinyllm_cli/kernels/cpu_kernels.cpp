@@ -900,20 +900,23 @@ using BlockFn = void (*)(const typename S::T*, int64_t, int64_t, const typename 
 struct AttnUnit {
   int64_t t0, t1, h;  // rows [t0, t1), kv head h
 };
-// A run shorter than kMinBlockRows stays in pairs: transposing a long context's K for a few rows
-// (a speculative verify, a short chunk after cached positions) cost more than it saved. With K
-// from memory (30 layers' pools, 1500 positions, Zen 4), blocks against pairs at 2 / 4 / 8 / 16
-// rows: 9 heads over 3 kv heads 0.70x / 0.81x / 1.05x / 1.20x; one kv head per head (32 x 64)
-// wins from 2 rows, 12 over 2 x 128 from 4.
-constexpr int64_t kBlockRows = 8, kMinBlockRows = 8;
+// A run shorter than min_block_rows stays in pairs: transposing a long context's K for a few
+// rows (a speculative verify, a short chunk after cached positions) cost more than it saved.
+// With K from memory (30 layers' pools, 1500 positions, Zen 4), blocks against pairs at 2 / 4 /
+// 8 / 16 rows: 9 heads over 3 kv heads 0.70x / 0.81x / 1.05x / 1.20x; one kv head per head (32 x
+// 64, 1000 positions), where a pair serves one query head alone, float32 1.62x / 2.42x / 2.97x
+// at 2 / 4 / 8 rows and bfloat16 0.79x / 1.12x / 1.52x; 12 over 2 x 128 from 4 rows.
+constexpr int64_t kBlockRows = 8;
+inline int64_t min_block_rows(int64_t groups) { return groups == 1 ? 4 : 8; }
 
-std::vector<AttnUnit> attention_units(const int64_t* seq, const int64_t* len, int64_t rows, int64_t hkv, bool blocks) {
+std::vector<AttnUnit> attention_units(const int64_t* seq, const int64_t* len, int64_t rows, int64_t hkv,
+                                      int64_t groups, bool blocks) {
   std::vector<AttnUnit> units;
   units.reserve(rows * hkv);
   for (int64_t t = 0; t < rows;) {
     int64_t e = t + 1;
     while (blocks && e < rows && seq[e] == seq[t] && len[e] == len[e - 1] + 1) ++e;
-    if (e - t >= kMinBlockRows) {
+    if (e - t >= min_block_rows(groups)) {
       for (int64_t h = 0; h < hkv; ++h)
         for (int64_t b = t; b < e; b += kBlockRows) units.push_back({b, std::min(e, b + kBlockRows), h});
     } else {
@@ -1004,7 +1007,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const 
       if (dim == 128) block_fn = &attend_block<S, 128>;
     }
 #endif
-    const auto units = attention_units(seq_p, len_p, rows, hkv, vec);
+    const auto units = attention_units(seq_p, len_p, rows, hkv, groups, vec);
     const auto bounds = balanced_split(units, len_p, positions * heads);
     at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t part0, int64_t part1) {
       Scratch buf;
