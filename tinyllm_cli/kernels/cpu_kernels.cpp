@@ -184,11 +184,11 @@ struct Scratch {
 
 // The pool element offset of each of a pair's ``len`` positions' K/V rows (kv head ``kv_head``).
 inline void pair_rows(const int64_t* table, int64_t len, int64_t block_size, int64_t row_stride, int64_t head_off,
-                      std::vector<int64_t>& rows) {
+                      std::vector<int64_t>& rows, int64_t from = 0) {  // positions [from, len); those before kept
   rows.resize(len);
-  for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
-    const int64_t n = std::min(block_size, len - start), base = (table[j] * block_size) * row_stride + head_off;
-    for (int64_t o = 0; o < n; ++o) rows[start + o] = base + o * row_stride;
+  for (int64_t j = from / block_size, p = from; p < len; ++j) {
+    const int64_t end = std::min(len, (j + 1) * block_size), base = (table[j] * block_size) * row_stride + head_off;
+    for (; p < end; ++p) rows[p] = base + (p - j * block_size) * row_stride;
   }
 }
 
@@ -595,22 +595,35 @@ void weighted_v(int nh, const typename S::T* v_pool, const int64_t* rows, const 
   }(std::make_integer_sequence<int, kVHeads<DIM>>{});
 }
 
-// The rest of a (row, kv head) pair once its G query heads' scores are in ``scores`` ([G][len])
-// with their running maxima (store_scores, kLanes floats per head): softmax per head, then the
-// weighted sums of V for up to kVHeads heads per pass over V, each head's output rounded once to
-// the dtype.
+// The rest of n consecutive rows of one sequence and kv head (row i attends to its first
+// len0 + i positions; a pair is n = 1) once their query vectors' scores are in ``scores`` (vector
+// v = i * G + g at scores + v * stride, stride >= the last row's length) with their running maxima
+// (store_scores, kLanes floats each): softmax per vector over its own row's positions, zeros after
+// them up to the stride; then P.V for up to kVHeads vectors per pass over V, rows sharing it (a
+// pass runs to its last row's length; a shorter row's zero weights leave its sums' bits as alone),
+// each output rounded once to the dtype at out + i * out_stride_t + g * DIM.
 template <typename S, int64_t DIM>
-void softmax_v(float* scores, int64_t len, int64_t groups, const float* max, const typename S::T* v_pool,
-               const int64_t* rows, typename S::T* out, Scratch& buf) {
-  buf.inv_sum.resize(groups);
-  for (int64_t g = 0; g < groups; ++g)
-    buf.inv_sum[g] = 1.0f / softmax_numerators_vec(scores + g * len, len, vmax_lanes(vload(max + g * kLanes)));
-  for (int64_t g0 = 0; g0 < groups; g0 += kVHeads<DIM>) {
-    const int nh = static_cast<int>(std::min<int64_t>(kVHeads<DIM>, groups - g0));
+void softmax_v(float* scores, int64_t stride, int64_t len0, int64_t n, int64_t groups, const float* max,
+               const typename S::T* v_pool, const int64_t* rows, typename S::T* out, int64_t out_stride_t,
+               Scratch& buf) {
+  const int64_t qv = n * groups;
+  buf.inv_sum.resize(qv);
+  for (int64_t v = 0; v < qv; ++v) {
+    const int64_t len = len0 + v / groups;
+    float* sv = scores + v * stride;
+    buf.inv_sum[v] = 1.0f / softmax_numerators_vec(sv, len, vmax_lanes(vload(max + v * kLanes)));
+    std::fill(sv + len, sv + stride, 0.0f);
+  }
+  for (int64_t v0 = 0; v0 < qv; v0 += kVHeads<DIM>) {
+    const int nh = static_cast<int>(std::min<int64_t>(kVHeads<DIM>, qv - v0));
+    const int64_t len = len0 + (v0 + nh - 1) / groups;
     alignas(64) float row[kVHeads<DIM> * DIM];
-    weighted_v<S, DIM>(nh, v_pool, rows, scores + g0 * len, len, len, row, buf);
-    for (int h = 0; h < nh; ++h)
-      for (int64_t d = 0; d < DIM; ++d) out[(g0 + h) * DIM + d] = S::st(row[h * DIM + d] * buf.inv_sum[g0 + h]);
+    weighted_v<S, DIM>(nh, v_pool, rows, scores + v0 * stride, stride, len, row, buf);
+    for (int h = 0; h < nh; ++h) {
+      const int64_t v = v0 + h, i = v / groups, g = v % groups;
+      typename S::T* o = out + i * out_stride_t + g * DIM;
+      for (int64_t d = 0; d < DIM; ++d) o[d] = S::st(row[h * DIM + d] * buf.inv_sum[v]);
+    }
   }
 }
 
@@ -670,7 +683,7 @@ void attend_pair_vec(const typename S::T* q, int64_t q_stride_h, const typename 
     }
     if (g == groups - 1) prefetch_next(next_total);
   }
-  softmax_v<S, DIM>(scores.data(), len, groups, buf.max.data(), v_pool, rows.data(), out, buf);
+  softmax_v<S, DIM>(scores.data(), len, len, 1, groups, buf.max.data(), v_pool, rows.data(), out, 0, buf);
 }
 
 // ---- a prompt's rows in blocks: scores from K transposed, passes over V shared ------------------
@@ -809,8 +822,8 @@ void attend_block(const typename S::T* q, int64_t q_stride_t, int64_t q_stride_h
     buf.kt_seq = seq, buf.kt_head = kv_head, buf.kt_positions = 0;
     buf.prompt_rows.clear();
   }
-  if (static_cast<int64_t>(buf.prompt_rows.size()) < last)
-    pair_rows(table, last, block_size, hkv * DIM, kv_head * DIM, buf.prompt_rows);
+  if (static_cast<int64_t>(buf.prompt_rows.size()) < last)  // only the new positions
+    pair_rows(table, last, block_size, hkv * DIM, kv_head * DIM, buf.prompt_rows, buf.prompt_rows.size());
   const int64_t* rows = buf.prompt_rows.data();
   const int64_t chunks = (last + kLanes - 1) / kLanes;
   if (buf.kt_positions < last) {
@@ -863,27 +876,7 @@ void attend_block(const typename S::T* q, int64_t q_stride_t, int64_t q_stride_h
       }(std::make_integer_sequence<int, kTileQ>{});
     }
   }
-  // Softmax per query vector over its own row's positions, zeros after them up to the block's
-  // last; then P.V for up to kVHeads query vectors per pass over V, rows sharing it (a pass runs
-  // to its last row's length; a shorter row's zero weights leave its sums' bits as alone).
-  buf.inv_sum.resize(qv);
-  for (int64_t v = 0; v < qv; ++v) {
-    const int64_t len = len0 + v / groups;
-    float* sv = scores + v * last;
-    buf.inv_sum[v] = 1.0f / softmax_numerators_vec(sv, len, vmax_lanes(vload(buf.max.data() + v * kLanes)));
-    std::fill(sv + len, sv + last, 0.0f);
-  }
-  for (int64_t v0 = 0; v0 < qv; v0 += kVHeads<DIM>) {
-    const int nh = static_cast<int>(std::min<int64_t>(kVHeads<DIM>, qv - v0));
-    const int64_t len = len0 + (v0 + nh - 1) / groups;
-    alignas(64) float row[kVHeads<DIM> * DIM];
-    weighted_v<S, DIM>(nh, v_pool, rows, scores + v0 * last, last, len, row, buf);
-    for (int h = 0; h < nh; ++h) {
-      const int64_t v = v0 + h, i = v / groups, g = v % groups;
-      typename S::T* o = out + i * out_stride_t + g * DIM;
-      for (int64_t d = 0; d < DIM; ++d) o[d] = S::st(row[h * DIM + d] * buf.inv_sum[v]);
-    }
-  }
+  softmax_v<S, DIM>(scores, last, len0, n, groups, buf.max.data(), v_pool, rows, out, out_stride_t, buf);
 }
 #endif
 
