@@ -178,6 +178,7 @@ FULL = {"W1": Workload(16, 96, 0.333, 32), "W2": Workload(32, 48, 0.333, 64), "l
         "e2e": Workload(64, 48, 0.333, 64)}
 QUICK = {"W1": Workload(4, 12, 0.333, 4), "W2": Workload(6, 6, 0.333, 8), "long": Workload(1, 40, 0.0, 4),
          "e2e": Workload(8, 6, 0.333, 8)}
+SINGLE_NEW = {"full": 128, "quick": 8}
 
 
 def longest_sequence(workloads: dict, benches) -> int:
@@ -185,7 +186,6 @@ def longest_sequence(workloads: dict, benches) -> int:
     its new tokens): the context an engine must accept for them."""
     return max((int(wl.input_len * (1 + wl.range_ratio)) + 1 + wl.output_len
                 for b, wl in workloads.items() if b in benches), default=0)
-SINGLE_NEW = {"full": 128, "quick": 8}
 
 
 def log(msg: str) -> None:
