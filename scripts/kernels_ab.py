@@ -4,7 +4,7 @@ three paths, round robin in one process, medians and ratios, the CPU named (stde
   pytorch    cache.attention 'gather' and PyTorch ops for norm / RoPE / SwiGLU (the path every
              other device runs, and what TINYLLM_KERNELS=0 gives)
   attention  the paged-attention kernel, PyTorch dense ops
-  kernels    everything: one decoder_layer call per layer (the default on CPU)
+  kernels    everything: one decoder_stack call per step (the default on CPU)
 
 Usage (from the repository root):
   .venv/bin/python scripts/kernels_ab.py                                  # default model, W1/W2, fp32 + bf16

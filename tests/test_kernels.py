@@ -19,7 +19,7 @@ from tinyllm_cli import kernels
 from tinyllm_cli.cache.attention import causal_attention, chunk_mask, decode_attention, resolve_attention
 from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
 from tinyllm_cli.machine import cpu_flags_line
-from tinyllm_cli.model.llama import apply_rope, use_native_ops
+from tinyllm_cli.model.llama import apply_rope, stack_layers, use_native_ops
 
 from conftest import run_without_kernels
 from test_engine import make_requests, preempting_blocks, reference_greedy, run
@@ -249,12 +249,14 @@ def test_rope_matches_apply_rope_on_a_strided_view(dtype):
 
 
 def set_dense_path(model, path: str) -> None:
-    """'fused': one kernel call per layer; 'ops': the fused elementwise kernels called from the
-    Python layer; 'torch': plain PyTorch ops."""
+    """'fused': every layer in one kernel call a step; 'ops': the fused elementwise kernels called
+    from the Python layer; 'torch': plain PyTorch ops."""
     use_native_ops(model, path != "torch")
     if path == "ops":
         for layer in model.layers:
             layer.fused_args = None
+        stack_layers(model)
+        assert model.stack is None
 
 
 @pytest.fixture(scope="module")
@@ -334,19 +336,17 @@ def test_the_last_layer_carries_only_the_logit_rows_with_the_same_bits(tiny_mode
     carries every row, bit for bit. Fails if the kept rows are the wrong ones or were skipped."""
     if tiny_model.gemm != "panel":
         pytest.skip("the last layer keeps rows on tinyllm's panels only")
-    calls, real = [], kernels.decoder_layer
+    calls, real = [], kernels.decoder_stack
 
-    def spy(x, *args):
+    def spy(stack, x, *args):
         keep = args[-1]
         calls.append((x.shape[0], None if keep is None else keep.numel()))
-        return real(x, *args)
+        return real(stack, x, *args)
 
-    monkeypatch.setattr(kernels, "decoder_layer", spy)
+    monkeypatch.setattr(kernels, "decoder_stack", spy)
     assert_fused_equals_ops(tiny_model, torch.float32)
     kept = [(rows, n) for rows, n in calls if n is not None]
     assert kept and all(n < rows for rows, n in kept) and any(n == 0 for _, n in kept)
-    layers = len(tiny_model.layers)
-    assert all(n is None for i, (_, n) in enumerate(calls) if i % layers != layers - 1)  # the last layer only
 
 
 @needs_kernels

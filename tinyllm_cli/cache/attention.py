@@ -162,14 +162,14 @@ class StepAttention:
         self.segments = segments
         self.kernel = kernel
 
-    def paged(self, layer: int) -> tuple | None:
-        """On the kernel path, what a fused layer needs to write and read this layer's K/V itself
-        (``DecoderLayer.fused``): pools, slot mapping, tables, row sequences and lengths, block size."""
+    def paged(self) -> tuple | None:
+        """On the kernel path, what the model's one-call layers need to write and read every
+        layer's K/V themselves (``LlamaModel.forward``): the pools (one per layer), slot mapping,
+        tables, row sequences and lengths, block size."""
         r = self.kernel
         if r is None:
             return None
-        return (self.k_pools[layer], self.v_pools[layer], self.slot_mapping, r.tables, r.row_seq, r.row_len,
-                r.block_size)
+        return (self.k_pools, self.v_pools, self.slot_mapping, r.tables, r.row_seq, r.row_len, r.block_size)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]

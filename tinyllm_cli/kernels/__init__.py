@@ -310,16 +310,26 @@ def silu_mul(gate_up):
     return torch.ops.tinyllm.silu_mul(gate_up)
 
 
-def decoder_layer(x, r, weights, kinds, aux, biases, input_norm, post_norm, eps: float, cos, sin_signed,
-                  k_pool, v_pool, slot_mapping, block_tables, row_seq, row_len, block_size: int,
-                  n_heads: int, n_kv: int, head_dim: int, mlp_rows: int = 0, keep=None):
-    """A whole decoder layer (model/llama.py's ``DecoderLayer.fused``); returns the residual
-    stream (``x``, updated in place; with ``keep``, a new tensor of the kept rows) and the MLP
-    output. ``mlp_rows`` > 0: a step of more rows runs its MLP in row chunks of about that many.
-    ``keep``: int64 row indices; every row's K/V are written, only these rows go on past them."""
-    return torch.ops.tinyllm.decoder_layer(x, r, weights, kinds, aux, biases, input_norm, post_norm, eps, cos,
-                                           sin_signed, k_pool, v_pool, slot_mapping, block_tables, row_seq, row_len,
-                                           block_size, n_heads, n_kv, head_dim, mlp_rows, keep)
+def decoder_stack_new(weights, kinds, aux, biases, input_norms, post_norms, eps: float, mlp_rows,
+                      n_heads: int, n_kv: int, head_dim: int):
+    """Every decoder layer's static arguments held in one kernel object (``decoder_stack`` runs
+    them): the four linears' weights, kinds, aux tensors and biases of each layer, layer after
+    layer; one input norm, post norm and ``mlp_rows`` per layer (model/llama.py's
+    ``fused_layer_args``). ``mlp_rows`` > 0: a step of more rows runs that layer's MLP in row
+    chunks of about that many."""
+    return torch.ops.tinyllm.decoder_stack_new(weights, kinds, aux, biases, input_norms, post_norms, eps, mlp_rows,
+                                               n_heads, n_kv, head_dim)
+
+
+def decoder_stack(stack, x, cos, sin_signed, k_pools, v_pools, slot_mapping, block_tables, row_seq, row_len,
+                  block_size: int, keep=None):
+    """Every layer of ``stack`` over a step's embedded rows ``x`` (updated in place), one K/V pool
+    pair per layer; returns the residual stream and the last layer's MLP output, which the final
+    norm adds (model/llama.py's ``LlamaModel.forward``). ``keep``: int64 row indices; the last
+    layer writes every row's K/V and carries only these rows past them (the pair returned is
+    theirs)."""
+    return torch.ops.tinyllm.decoder_stack(stack, x, cos, sin_signed, k_pools, v_pools, slot_mapping, block_tables,
+                                           row_seq, row_len, block_size, keep)
 
 
 def int8_linear(x, q, scale, float32_out: bool = False):

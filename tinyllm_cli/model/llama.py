@@ -193,17 +193,6 @@ class DecoderLayer(nn.Module):
             return self.down(self.swiglu(self.gate_up(h)))
         return torch.cat([self.down(self.swiglu(self.gate_up(c))) for c in h.split(chunk_size(h.shape[0], rows))])
 
-    def fused(self, x: Tensor, r: Tensor | None, cos: Tensor, sin: Tensor, paged: tuple,
-              keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``forward`` in one kernel call (native path, paged-kernel attention): the same ops in
-        the same order, without returning to Python between them. ``paged``: the attention's
-        ``paged(layer)`` (pools, slot mapping, tables, row sequences and lengths, block size).
-        ``keep`` (``keep_rows``): every row's K/V are written, only these rows go on, and the
-        pair returned is theirs."""
-        weights, kinds, aux, biases, w_in, w_post, eps, mlp_rows = self.fused_args
-        return native.decoder_layer(x, r, weights, kinds, aux, biases, w_in, w_post, eps, cos, sin, *paged,
-                                    self.n_heads, self.n_kv, self.head_dim, mlp_rows, keep)
-
     def swiglu(self, gate_up: Tensor) -> Tensor:
         if self.native:
             return native.silu_mul(gate_up)
@@ -241,6 +230,7 @@ class LlamaModel(nn.Module):
         self.native = False  # see use_native_ops
         self.quant = "none"  # 'gguf' when some weights are held quantized (quant.py)
         self.greedy_screen = None  # greedy_head.GreedyScreen where the head has one
+        self.stack = None  # the layers' one-call kernel (kernels.decoder_stack_new), where every layer has one
         self.int8_activations = False  # whether the 4-bit matmuls quantize their input (quant.py)
 
     @property
@@ -269,20 +259,18 @@ class LlamaModel(nn.Module):
         with ``greedy`` their argmax, int64 token ids (``greedy_head.head_argmax``: the same ids)."""
         x, r = self.embed(input_ids), None
         cos, sin = self.rope(positions)
-        # Native path with the paged kernel: each layer is one kernel call (DecoderLayer.fused).
-        paged = getattr(attn, "paged", None) if self.native else None
+        # Native path with the paged kernel: every layer in one kernel call (``stack``), the same
+        # ops in the same order as the Python layers, without returning to Python between them.
+        paged = attn.paged() if self.stack is not None and hasattr(attn, "paged") else None
         if self.quant == "gguf" and quant_forms.big_step(input_ids.shape[0], self.int8_activations):
             paged = None  # the layer's modules: Q4Linear leaves its 4-bit tiles for a step this big
         keep = None  # set when the last layer carried only the logit rows (keep_rows)
-        last = len(self.layers) - 1
-        for layer in self.layers:
-            args = paged(layer.index) if paged is not None and layer.fused_args is not None else None
-            if args is None:
+        if paged is None:
+            for layer in self.layers:
                 x, r = layer(x, r, cos, sin, attn)
-                continue
-            if layer.index == last:
-                keep = keep_rows(layer, logits_index, x.shape[0])
-            x, r = layer.fused(x, r, cos, sin, args, keep)
+        else:
+            keep = keep_rows(self.layers[-1], logits_index, x.shape[0])
+            x, r = native.decoder_stack(self.stack, x, cos, sin, *paged, keep)
         if logits_index is not None and keep is None:
             x = x.index_select(0, logits_index)
             r = None if r is None else r.index_select(0, logits_index)
@@ -335,6 +323,22 @@ def use_native_ops(model: LlamaModel, on: bool) -> None:
     for layer in model.layers:
         layer.native = on
         layer.fused_args = fused_layer_args(layer) if on else None
+    stack_layers(model)
+
+
+def stack_layers(model: LlamaModel) -> None:
+    """``model.stack``: every layer's ``fused_args`` held by one kernel object, which runs the
+    whole stack in one call a step; None unless every layer has them (then the Python layers
+    run, each with the fused elementwise kernels where ``native``)."""
+    args = [layer.fused_args for layer in model.layers]
+    if not args or any(a is None for a in args):
+        model.stack = None
+        return
+    first = model.layers[0]
+    model.stack = native.decoder_stack_new(
+        [w for a in args for w in a[0]], [k for a in args for k in a[1]], [x for a in args for x in a[2]],
+        [b for a in args for b in a[3]], [a[4] for a in args], [a[5] for a in args], args[0][6],
+        [a[7] for a in args], first.n_heads, first.n_kv, first.head_dim)
 
 
 def fused_layer_args(layer: DecoderLayer) -> tuple | None:
