@@ -95,7 +95,9 @@ the mean prompt length, so its figures are that approximation of the same work.
 Runs are interleaved (round robin over engines inside each repeat) and the median of ``--repeat``
 runs is reported. Engines stay loaded for a whole row when their copies of the weights fit in
 memory; otherwise (the 1.5b shape in f32) each is started and closed inside every round, start-up
-untimed. The table goes to stderr (``--markdown`` writes it as markdown, headed by the CPU),
+untimed. A loaded worker (OpenVINO GenAI, vLLM CPU) is stopped (SIGSTOP to its process group)
+while the other engines run and continued for its own runs: an idle vLLM CPU engine process polls
+at 6-12% of a core, which every other engine's figure paid for. The table goes to stderr (``--markdown`` writes it as markdown, headed by the CPU),
 ``--json`` writes every run. External engines are set up in ``--cache-dir`` (default
 ``~/.cache/tinyllm-compare``) when missing; one that cannot be set up or fails is skipped with a
 note, never ending the comparison.
@@ -748,8 +750,11 @@ class WorkerEngine:
         self.log = logfile.open("a", buffering=1)  # line-buffered: the log is readable while it runs
         self.log.write(f"\n$ {' '.join(cmd)}\n")
         self.log_start = self.log.tell()  # where this worker's own output begins in the shared log
+        # Its own process group (a new session), so that pause() reaches the processes it starts
+        # (vLLM's engine core) and not this script.
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, env=env)
+                                     text=True, env=env, start_new_session=True)
+        self.paused = False
         self.results: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.info = self._answer()
@@ -790,7 +795,21 @@ class WorkerEngine:
         msg = self._answer()
         return Run(msg["elapsed_s"], total_tokens(prompts, output_len), msg["token_ids"])
 
+    def pause(self) -> None:
+        """Stop every process of the worker (SIGSTOP to its group) while other engines run; where
+        the OS has no SIGSTOP (Windows) it keeps running."""
+        if hasattr(signal, "SIGSTOP") and self.proc.poll() is None and not self.paused:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
+        self.resume()  # a stopped worker would never read the end of its input
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
@@ -1216,6 +1235,7 @@ def run_rounds(cmp: Comparison, ctx: dict, factories: dict, prompts: dict, shape
                     if isinstance(engines[name], TinyEngine):
                         cmp.runtimes.setdefault((shape, dtype), engines[name].facts())
                 eng = engines[name]
+                only(engines, name)
                 for b in prompts:
                     if isinstance(eng, Skip):
                         cmp.cell(b, dtype, name, "tok/s", shape).note = str(eng)
@@ -1235,6 +1255,18 @@ def run_rounds(cmp: Comparison, ctx: dict, factories: dict, prompts: dict, shape
                 eng.close()
         engines.clear()
         gc.collect()
+
+
+def only(engines: dict, name: str) -> None:
+    """Continue engine ``name``'s worker and stop every other loaded one (``WorkerEngine.pause``):
+    an idle engine must not take the machine from the one being timed."""
+    for n, eng in engines.items():
+        if not isinstance(eng, WorkerEngine):
+            continue
+        if n == name:
+            eng.resume()
+        else:
+            eng.pause()
 
 
 def row_limits(cmp: Comparison, ctx: dict, shape: str, dtype: str, prompts: dict) -> None:

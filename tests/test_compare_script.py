@@ -12,9 +12,11 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -355,6 +357,50 @@ def test_a_worker_that_exits_is_skipped_with_its_last_words(tmp_path):
     silent = [sys.executable, "-c", "import time; time.sleep(5)"]
     with pytest.raises(ce.Skip, match="worker hung"):
         ce.WorkerEngine(silent, dict(os.environ), log, timeout=0.5)
+
+
+def _states(pids, want_stopped: bool) -> list[str]:
+    """The processes' state letters from /proc (T: stopped), polled up to 5 s until each is (or is
+    not) stopped: a signal is acted on after kill() returns."""
+    def states():
+        return [Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] for p in pids]
+    deadline = time.monotonic() + 5
+    while any((s == "T") != want_stopped for s in states()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return states()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists() or not hasattr(signal, "SIGSTOP"), reason="needs /proc and SIGSTOP")
+def test_only_the_timed_engine_runs_the_others_workers_are_stopped(tmp_path):
+    """A loaded worker is stopped, with the processes it started (vLLM's engine core), while
+    another engine runs, and continued for its own runs; closing a stopped worker ends it."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import json, subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('@@RESULT ' + json.dumps({'child': child.pid}), flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    n = json.loads(line)['max_tokens']\n"
+        "    print('@@RESULT ' + json.dumps({'elapsed_s': 0.25, 'token_ids': [[1] * n]}), flush=True)\n"
+        "child.kill()\n")
+    log = tmp_path / "runs.log"
+    a = ce.WorkerEngine([sys.executable, str(script)], dict(os.environ), log, timeout=60)
+    b = ce.WorkerEngine([sys.executable, str(script)], dict(os.environ), log, timeout=60)
+    pids = {"a": (a.proc.pid, a.info["child"]), "b": (b.proc.pid, b.info["child"])}
+    try:
+        engines = {"tinyllm": _FakeEngine("tinyllm"), "a": a, "b": b}
+        ce.only(engines, "a")
+        assert _states(pids["b"], True) == ["T", "T"] and "T" not in _states(pids["a"], False)
+        assert a.run([[5, 6]], 3).token_ids == [[1, 1, 1]]
+        ce.only(engines, "b")
+        assert _states(pids["a"], True) == ["T", "T"] and "T" not in _states(pids["b"], False)
+        assert b.run([[5, 6]], 2).token_ids == [[1, 1]]
+        ce.only(engines, "tinyllm")
+        assert _states([p for pair in pids.values() for p in pair], True) == ["T"] * 4
+    finally:
+        a.close()
+        b.close()
+    assert a.proc.returncode == 0 and b.proc.returncode == 0  # continued, read the end of input, exited
 
 
 def test_vllm_gets_the_context_the_chosen_workloads_need(llama_dir):
