@@ -797,7 +797,9 @@ class WorkerEngine:
 
     def pause(self) -> None:
         """Stop every process of the worker (SIGSTOP to its group) while other engines run; where
-        the OS has no SIGSTOP (Windows) it keeps running."""
+        the OS has no SIGSTOP (Windows) it keeps running. ``close`` continues it first; a SIGKILL
+        of this script would leave it stopped (``kill -CONT -- -PGID`` then lets it read the end
+        of its input and exit)."""
         if hasattr(signal, "SIGSTOP") and self.proc.poll() is None and not self.paused:
             os.killpg(self.proc.pid, signal.SIGSTOP)
             self.paused = True
@@ -1787,8 +1789,20 @@ def prepare_models(cmp: Comparison, ctx: dict) -> None:
                     log(f"{shape} {dtype}: {e}")
 
 
+def interrupt_on_termination() -> None:
+    """SIGTERM and SIGHUP (``timeout``, a closed terminal) end a run as Ctrl-C does: the workers are
+    continued and closed (a stopped one would outlive this script: ``WorkerEngine.pause``) and the
+    table of what was measured is still written. Only SIGKILL skips that."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), interrupt)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    interrupt_on_termination()
     cpu = cpu_info()
     log(f"CPU: {cpu_label(cpu)}")
     cmp = Comparison(a, cpu)

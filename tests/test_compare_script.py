@@ -403,6 +403,21 @@ def test_only_the_timed_engine_runs_the_others_workers_are_stopped(tmp_path):
     assert a.proc.returncode == 0 and b.proc.returncode == 0  # continued, read the end of input, exited
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_termination_ends_a_run_as_ctrl_c_does(sig):
+    """SIGTERM / SIGHUP raise KeyboardInterrupt in the script (the path that continues and closes
+    the stopped workers and still writes the table), not a silent death."""
+    code = (f"import os, signal, sys, time; sys.path.insert(0, {str(SCRIPT.parent)!r}); import compare_engines as ce\n"
+            "ce.interrupt_on_termination()\n"
+            "try:\n"
+            f"    os.kill(os.getpid(), signal.{sig}); time.sleep(10); print('not interrupted')\n"
+            "except KeyboardInterrupt:\n"
+            "    print('interrupted')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "interrupted", out.stderr
+
+
 def test_vllm_gets_the_context_the_chosen_workloads_need(llama_dir):
     """vLLM's worker defaults to a 512-position context; the long workload's prompt alone is 2000
     ids, so its row asks for what the longest sequence reaches (in vLLM's 128-token blocks)."""
