@@ -98,9 +98,9 @@ memory; otherwise (the 1.5b shape in f32) each is started and closed inside ever
 untimed. A loaded worker (OpenVINO GenAI, vLLM CPU) is stopped (SIGSTOP to its process group)
 while the other engines run and continued for its own runs: an idle vLLM CPU engine process polls
 at 6-12% of a core, which every other engine's figure paid for. The table goes to stderr
-(``--markdown`` writes it as markdown, headed by the CPU), ``--json`` writes every run. External engines are set up in ``--cache-dir`` (default
-``~/.cache/tinyllm-compare``) when missing; one that cannot be set up or fails is skipped with a
-note, never ending the comparison.
+(``--markdown`` writes it as markdown, headed by the CPU), ``--json`` writes every run. External
+engines are set up in ``--cache-dir`` (default ``~/.cache/tinyllm-compare``) when missing; one
+that cannot be set up or fails is skipped with a note, never ending the comparison.
 """
 
 from __future__ import annotations
