@@ -19,7 +19,7 @@ from tinyllm_cli import kernels
 from tinyllm_cli.cache.attention import causal_attention, chunk_mask, decode_attention, resolve_attention
 from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
 from tinyllm_cli.machine import cpu_flags_line
-from tinyllm_cli.model.llama import apply_rope, stack_layers, use_native_ops
+from tinyllm_cli.model.llama import apply_rope, fused_layer_args, use_native_ops
 
 from conftest import run_without_kernels
 from test_engine import make_requests, preempting_blocks, reference_greedy, run
@@ -253,10 +253,7 @@ def set_dense_path(model, path: str) -> None:
     from the Python layer; 'torch': plain PyTorch ops."""
     use_native_ops(model, path != "torch")
     if path == "ops":
-        for layer in model.layers:
-            layer.fused_args = None
-        stack_layers(model)
-        assert model.stack is None
+        model.stack = None
 
 
 @pytest.fixture(scope="module")
@@ -303,8 +300,8 @@ def test_fused_layer_equals_the_python_layer_exactly(model_name, request):
     path, for the default packed weights (oneDNN or panels, by CPU) and plain ones: logits and
     log-probabilities are bitwise equal."""
     model = request.getfixturevalue(model_name)
-    assert model.layers[0].fused_args is not None
-    kinds = {k for layer in model.layers for k in layer.fused_args[1]}
+    assert model.stack is not None
+    kinds = {k for layer in model.layers for k in fused_layer_args(layer)[1]}
     assert kinds == {{"onednn": 2, "panel": 5, "torch": 0}[model.gemm]}
     assert_fused_equals_ops(model, torch.float32)
 
@@ -360,7 +357,7 @@ def test_fused_layer_runs_widened_bf16_linears_exactly(no_bf16_onednn, llama_dir
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", "onednn")
     if model.gemm != "onednn-f32":
         pytest.skip("torch built without oneDNN")
-    assert {k for layer in model.layers for k in layer.fused_args[1]} == {4}
+    assert {k for layer in model.layers for k in fused_layer_args(layer)[1]} == {4}
     assert_fused_equals_ops(model, torch.bfloat16)
 
 
@@ -376,7 +373,7 @@ def test_fused_layer_runs_panel_linears_exactly(llama_dir, dtype):
         pytest.skip("the kernels were built without AVX2 / AVX-512")
     ck = load_checkpoint(str(llama_dir), progress=False)
     model = build_model(ck.config, ck.weights, dtype, "cpu", "panel")
-    assert {k for layer in model.layers for k in layer.fused_args[1]} == {5}
+    assert {k for layer in model.layers for k in fused_layer_args(layer)[1]} == {5}
     assert_fused_equals_ops(model, dtype)
 
 
@@ -394,9 +391,9 @@ def test_fused_layer_in_mlp_chunks_is_the_whole_step_bit_for_bit(llama_dir, dtyp
         pytest.skip("the kernels were built without AVX2 / AVX-512")
     ck = load_checkpoint(str(llama_dir), progress=False)
     model = llama.build_model(ck.config, ck.weights, dtype, "cpu", "panel")
-    assert all(layer.fused_args[-1] >= 256 for layer in model.layers)
+    assert all(fused_layer_args(layer)[-1] >= 256 for layer in model.layers)
     torch_model = llama.build_model(ck.config, ck.weights, dtype, "cpu", "torch")
-    assert all(layer.fused_args[-1] == 0 for layer in torch_model.layers)
+    assert all(fused_layer_args(layer)[-1] == 0 for layer in torch_model.layers)
     whole = assert_fused_equals_ops(model, dtype)
     monkeypatch.setattr(llama, "mlp_chunk_rows", lambda layer: 3)
     assert assert_fused_equals_ops(model, dtype) == whole
@@ -635,7 +632,7 @@ def test_bf16_engine_on_the_kernels_matches_a_pytorch_recompute(tiny_bf16, kind)
     reqs = make_requests(n=5, seed=21, logprobs=True)
     reqs += [make_requests(n=1, seed=21, logprobs=True)[0]]
     reqs[-1].id, reqs[-1].index = "dup", len(reqs) - 1
-    assert tiny_bf16.native and tiny_bf16.layers[0].fused_args is not None
+    assert tiny_bf16.native and tiny_bf16.stack is not None
     if kind == "paged":
         cache = PagedKVCache(tiny_bf16.cfg, preempting_blocks(reqs), 4, torch.bfloat16, "cpu", prefix_caching=True)
         outs, eng = run(tiny_bf16, cache, reqs, max_prefill_tokens=16)

@@ -165,7 +165,6 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.native = False  # fused CPU kernels (tinyllm_cli.kernels) for norm, RoPE, SwiGLU; see use_native_ops
-        self.fused_args: tuple | None = None  # the static arguments of the one-call layer kernel, when it applies
 
     def forward(self, x: Tensor, r: Tensor | None, cos: Tensor, sin: Tensor, attn: Attention) -> tuple[Tensor, Tensor]:
         """``x`` is the residual stream and ``r`` the previous layer's MLP output, not yet added
@@ -322,20 +321,18 @@ def use_native_ops(model: LlamaModel, on: bool) -> None:
             m.native = on
     for layer in model.layers:
         layer.native = on
-        layer.fused_args = fused_layer_args(layer) if on else None
-    stack_layers(model)
+    model.stack = stack_layers(model) if on else None
 
 
-def stack_layers(model: LlamaModel) -> None:
-    """``model.stack``: every layer's ``fused_args`` held by one kernel object, which runs the
-    whole stack in one call a step; None unless every layer has them (then the Python layers
+def stack_layers(model: LlamaModel):
+    """Every layer's ``fused_layer_args`` held by one kernel object (``model.stack``), which runs
+    the whole stack in one call a step; None unless every layer has them (then the Python layers
     run, each with the fused elementwise kernels where ``native``)."""
-    args = [layer.fused_args for layer in model.layers]
+    args = [fused_layer_args(layer) for layer in model.layers]
     if not args or any(a is None for a in args):
-        model.stack = None
-        return
+        return None
     first = model.layers[0]
-    model.stack = native.decoder_stack_new(
+    return native.decoder_stack_new(
         [w for a in args for w in a[0]], [k for a in args for k in a[1]], [x for a in args for x in a[2]],
         [b for a in args for b in a[3]], [a[4] for a in args], [a[5] for a in args], args[0][6],
         [a[7] for a in args], first.n_heads, first.n_kv, first.head_dim)
