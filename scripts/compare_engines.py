@@ -97,7 +97,8 @@ runs is reported. Engines stay loaded for a whole row when their copies of the w
 memory; otherwise (the 1.5b shape in f32) each is started and closed inside every round, start-up
 untimed. A loaded worker (OpenVINO GenAI, vLLM CPU) is stopped (SIGSTOP to its process group)
 while the other engines run and continued for its own runs: an idle vLLM CPU engine process polls
-at 6-12% of a core, which every other engine's figure paid for. The table goes to stderr
+at 6-12% of a core, which every other engine's figure paid for; a guard process continues the
+stopped ones should this script be killed outright. The table goes to stderr
 (``--markdown`` writes it as markdown, headed by the CPU), ``--json`` writes every run. External
 engines are set up in ``--cache-dir`` (default ``~/.cache/tinyllm-compare``) when missing; one
 that cannot be set up or fails is skipped with a note, never ending the comparison.
@@ -738,6 +739,52 @@ WORKER = Path(__file__).resolve().parent / "compare_vllm_worker.py"
 OV_WORKER = Path(__file__).resolve().parent / "compare_openvino_worker.py"
 
 
+# The guard: a small process, in a session of its own, that continues every worker group this
+# script stopped once this script is gone, however it ended (a SIGKILL included: the kernel closes
+# the pipe it reads). A continued worker then reads the end of its own input and exits; a stopped
+# one would have waited forever. Lines on its input: "+PGID" to guard a group, "-PGID" to forget
+# one (closed: its number may be reused).
+GUARD_CODE = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGCONT)
+    except OSError:
+        pass
+"""
+_guard: subprocess.Popen | None = None
+
+
+def _tell_guard(line: str) -> None:
+    global _guard
+    if _guard is None:
+        _guard = subprocess.Popen([sys.executable, "-c", GUARD_CODE], stdin=subprocess.PIPE, text=True,
+                                  start_new_session=True)
+    _guard.stdin.write(line + "\n")
+    _guard.stdin.flush()
+
+
+def guard_group(pgid: int) -> None:
+    _tell_guard(f"+{pgid}")
+
+
+def unguard_group(pgid: int) -> None:
+    if _guard is not None:
+        _tell_guard(f"-{pgid}")
+
+
+def release_guard() -> None:
+    """End the guard (at this script's normal end, every worker closed)."""
+    global _guard
+    if _guard is not None:
+        _guard.stdin.close()
+        _guard.wait(timeout=30)
+        _guard = None
+
+
 class WorkerEngine:
     """One long-lived worker process (another venv's Python) serving every run of a (shape, dtype):
     requests as JSON lines on its stdin, answers as ``@@RESULT`` lines on its stdout. The first
@@ -756,7 +803,8 @@ class WorkerEngine:
                                      text=True, env=env, start_new_session=True)
         self.paused = False
         self.results: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self.pump = threading.Thread(target=self._pump, daemon=True)
+        self.pump.start()
         self.info = self._answer()
 
     def _pump(self) -> None:
@@ -782,7 +830,8 @@ class WorkerEngine:
     def last_words(self) -> str | None:
         """The last non-blank line this worker wrote to the log (an exception's message, typically),
         cut to 200 characters; None when it wrote nothing."""
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
             f.seek(self.log_start)
             lines = [line.strip() for line in f.read().splitlines() if line.strip()]
@@ -797,10 +846,10 @@ class WorkerEngine:
 
     def pause(self) -> None:
         """Stop every process of the worker (SIGSTOP to its group) while other engines run; where
-        the OS has no SIGSTOP (Windows) it keeps running. ``close`` continues it first; a SIGKILL
-        of this script would leave it stopped (``kill -CONT -- -PGID`` then lets it read the end
-        of its input and exit)."""
+        the OS has no SIGSTOP (Windows) it keeps running. ``close`` continues it first, and should
+        this script die without closing it (a SIGKILL), the guard continues it (``guard_group``)."""
         if hasattr(signal, "SIGSTOP") and self.proc.poll() is None and not self.paused:
+            guard_group(self.proc.pid)
             os.killpg(self.proc.pid, signal.SIGSTOP)
             self.paused = True
 
@@ -819,7 +868,19 @@ class WorkerEngine:
             except (subprocess.TimeoutExpired, OSError):
                 self.proc.kill()
                 self.proc.wait()
-        self.log.flush()
+        try:
+            self.proc.stdin.close()  # still open on this side where the worker exited by itself
+        except OSError:
+            pass
+        unguard_group(self.proc.pid)
+        # The pump reads the worker's last lines, then the end of its output; where a process the
+        # worker started still holds that open, both stay open rather than wait for it.
+        self.pump.join(timeout=2)
+        if not self.pump.is_alive():
+            self.proc.stdout.close()
+            self.log.close()
+        else:
+            self.log.flush()
 
 
 class VLLMEngine(WorkerEngine):
@@ -1791,8 +1852,8 @@ def prepare_models(cmp: Comparison, ctx: dict) -> None:
 
 def interrupt_on_termination() -> None:
     """SIGTERM and SIGHUP (``timeout``, a closed terminal) end a run as Ctrl-C does: the workers are
-    continued and closed (a stopped one would outlive this script: ``WorkerEngine.pause``) and the
-    table of what was measured is still written. Only SIGKILL skips that."""
+    continued and closed and the table of what was measured is still written. Only SIGKILL skips
+    that (the guard then continues the stopped workers: ``guard_group``)."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
     for name in ("SIGTERM", "SIGHUP"):
@@ -1823,6 +1884,7 @@ def main(argv=None) -> int:
         log("interrupted: the table shows what was measured so far")
         code = 130
     finally:
+        release_guard()
         shutil.rmtree(ctx["work"], ignore_errors=True)
     rows = table_rows(cmp)
     print_table(cmp, rows)

@@ -400,7 +400,57 @@ def test_only_the_timed_engine_runs_the_others_workers_are_stopped(tmp_path):
     finally:
         a.close()
         b.close()
+        ce.release_guard()
     assert a.proc.returncode == 0 and b.proc.returncode == 0  # continued, read the end of input, exited
+
+
+def _gone(pids) -> bool:
+    """Whether every process has exited (no /proc entry, or a zombie waiting for its new parent),
+    polled up to 20 s."""
+    def alive(p):
+        try:
+            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    deadline = time.monotonic() + 20
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(map(alive, pids))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists() or not hasattr(signal, "SIGKILL"), reason="needs /proc and SIGKILL")
+def test_workers_stopped_by_a_script_killed_outright_are_continued_and_end(tmp_path):
+    """SIGKILL gives the script no chance to continue the workers it stopped: the guard process
+    does, and each one, with the process it started, then reads the end of its input and exits."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import json, subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], stdin=subprocess.PIPE)\n"
+        "print('@@RESULT ' + json.dumps({'child': child.pid}), flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    pass\n"
+        "child.stdin.close()\n"
+        "child.wait()\n")
+    code = (f"import os, sys, time; sys.path.insert(0, {str(SCRIPT.parent)!r}); import compare_engines as ce\n"
+            f"w = ce.WorkerEngine([sys.executable, {str(worker)!r}], dict(os.environ), ce.Path({str(tmp_path / 'runs.log')!r}), 60)\n"
+            "w.pause()\n"
+            "print(w.proc.pid, w.info['child'], flush=True)\n"
+            "time.sleep(60)\n")
+    script = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in script.stdout.readline().split()]
+        assert len(pids) == 2 and _states(pids, True) == ["T", "T"]
+    finally:
+        script.kill()
+        script.wait()
+        script.stdout.close()
+    ended = _gone(pids)
+    for p in pids if not ended else []:  # leave no stopped process behind a failure
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    assert ended, "a worker stopped by the killed script was left running or stopped"
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
