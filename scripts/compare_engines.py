@@ -739,12 +739,13 @@ WORKER = Path(__file__).resolve().parent / "compare_vllm_worker.py"
 OV_WORKER = Path(__file__).resolve().parent / "compare_openvino_worker.py"
 
 
-# The guard: a small process, in a session of its own, that continues every worker group this
-# script stopped once this script is gone, however it ended (a SIGKILL included: the kernel closes
-# the pipe it reads). A continued worker then reads the end of its own input and exits; a stopped
-# one would have waited forever. Lines on its input: "+PGID" to guard a group, "-PGID" to forget
-# one (closed: its number may be reused).
-GUARD_CODE = """
+class WorkerGuard:
+    """A small process, in a session of its own, that continues every worker group this script
+    stopped once this script is gone, however it ended (a SIGKILL included: the kernel closes the
+    pipe it reads). A continued worker then reads the end of its own input and exits; a stopped one
+    would have waited forever. Started at the first ``add``; one per script (``GUARD``)."""
+
+    CODE = """
 import os, signal, sys
 groups = set()
 for line in sys.stdin:
@@ -755,34 +756,54 @@ for group in groups:
     except OSError:
         pass
 """
-_guard: subprocess.Popen | None = None
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.groups: set[int] = set()
+
+    def add(self, pgid: int) -> None:
+        self.groups.add(pgid)
+        self._tell(f"+{pgid}")
+
+    def discard(self, pgid: int) -> None:
+        """Forget a closed worker's group: its number may be reused by another."""
+        if pgid in self.groups:
+            self.groups.discard(pgid)
+            self._tell(f"-{pgid}")
+
+    def _tell(self, line: str) -> None:
+        if self.proc is None or self.proc.poll() is not None:  # not started yet, or killed
+            self._drop()
+            self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdin=subprocess.PIPE, text=True,
+                                         start_new_session=True)
+            line = "\n".join(f"+{g}" for g in self.groups) or line  # a new guard learns every group
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # it died just now: the next line starts another
+            self._drop()
+
+    def _drop(self) -> None:
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            self.proc = None
+
+    def close(self) -> None:
+        """End the guard (at this script's normal end, every worker closed)."""
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
 
 
-def _tell_guard(line: str) -> None:
-    global _guard
-    if _guard is None:
-        _guard = subprocess.Popen([sys.executable, "-c", GUARD_CODE], stdin=subprocess.PIPE, text=True,
-                                  start_new_session=True)
-    _guard.stdin.write(line + "\n")
-    _guard.stdin.flush()
-
-
-def guard_group(pgid: int) -> None:
-    _tell_guard(f"+{pgid}")
-
-
-def unguard_group(pgid: int) -> None:
-    if _guard is not None:
-        _tell_guard(f"-{pgid}")
-
-
-def release_guard() -> None:
-    """End the guard (at this script's normal end, every worker closed)."""
-    global _guard
-    if _guard is not None:
-        _guard.stdin.close()
-        _guard.wait(timeout=30)
-        _guard = None
+GUARD = WorkerGuard()
 
 
 class WorkerEngine:
@@ -847,9 +868,9 @@ class WorkerEngine:
     def pause(self) -> None:
         """Stop every process of the worker (SIGSTOP to its group) while other engines run; where
         the OS has no SIGSTOP (Windows) it keeps running. ``close`` continues it first, and should
-        this script die without closing it (a SIGKILL), the guard continues it (``guard_group``)."""
+        this script die without closing it (a SIGKILL), the guard continues it (``WorkerGuard``)."""
         if hasattr(signal, "SIGSTOP") and self.proc.poll() is None and not self.paused:
-            guard_group(self.proc.pid)
+            GUARD.add(self.proc.pid)
             os.killpg(self.proc.pid, signal.SIGSTOP)
             self.paused = True
 
@@ -872,7 +893,7 @@ class WorkerEngine:
             self.proc.stdin.close()  # still open on this side where the worker exited by itself
         except OSError:
             pass
-        unguard_group(self.proc.pid)
+        GUARD.discard(self.proc.pid)
         # The pump reads the worker's last lines, then the end of its output; where a process the
         # worker started still holds that open, both stay open rather than wait for it.
         self.pump.join(timeout=2)
@@ -1853,7 +1874,7 @@ def prepare_models(cmp: Comparison, ctx: dict) -> None:
 def interrupt_on_termination() -> None:
     """SIGTERM and SIGHUP (``timeout``, a closed terminal) end a run as Ctrl-C does: the workers are
     continued and closed and the table of what was measured is still written. Only SIGKILL skips
-    that (the guard then continues the stopped workers: ``guard_group``)."""
+    that (the guard then continues the stopped workers: ``WorkerGuard``)."""
     def interrupt(signum, frame):
         raise KeyboardInterrupt
     for name in ("SIGTERM", "SIGHUP"):
@@ -1884,7 +1905,7 @@ def main(argv=None) -> int:
         log("interrupted: the table shows what was measured so far")
         code = 130
     finally:
-        release_guard()
+        GUARD.close()
         shutil.rmtree(ctx["work"], ignore_errors=True)
     rows = table_rows(cmp)
     print_table(cmp, rows)

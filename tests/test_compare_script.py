@@ -400,7 +400,7 @@ def test_only_the_timed_engine_runs_the_others_workers_are_stopped(tmp_path):
     finally:
         a.close()
         b.close()
-        ce.release_guard()
+        ce.GUARD.close()
     assert a.proc.returncode == 0 and b.proc.returncode == 0  # continued, read the end of input, exited
 
 
@@ -451,6 +451,34 @@ def test_workers_stopped_by_a_script_killed_outright_are_continued_and_end(tmp_p
         except OSError:
             pass
     assert ended, "a worker stopped by the killed script was left running or stopped"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists() or not hasattr(signal, "SIGSTOP"), reason="needs /proc and SIGSTOP")
+def test_the_guard_continues_every_group_it_holds_even_after_being_restarted():
+    """The guard continues the groups it was given when its input ends, not the ones it was told
+    to forget; a guard that was killed is replaced by one that learns every group still held."""
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+                for _ in range(3)]
+    pids = [p.pid for p in sleepers]
+    guard = ce.WorkerGuard()
+    try:
+        for pid in pids:
+            os.killpg(pid, signal.SIGSTOP)
+        guard.add(pids[0])
+        guard.add(pids[1])
+        first = guard.proc
+        first.kill()
+        first.wait()
+        guard.add(pids[2])
+        assert guard.proc is not first and guard.proc.poll() is None
+        guard.discard(pids[2])
+        guard.close()  # its input ends: what this script's exit does
+        assert "T" not in _states(pids[:2], False)
+        assert _states(pids[2:], True) == ["T"]  # forgotten: left as it was
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
