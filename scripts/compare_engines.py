@@ -792,15 +792,16 @@ for group in groups:
             self.proc = None
 
     def close(self) -> None:
-        """End the guard (at this script's normal end, every worker closed)."""
-        if self.proc is not None:
+        """End the guard (at this script's normal end, every worker closed): the end of its input,
+        then its exit."""
+        proc = self.proc
+        self._drop()
+        if proc is not None:
             try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 GUARD = WorkerGuard()
@@ -882,17 +883,15 @@ class WorkerEngine:
 
     def close(self) -> None:
         self.resume()  # a stopped worker would never read the end of its input
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (subprocess.TimeoutExpired, OSError):
-                self.proc.kill()
-                self.proc.wait()
         try:
-            self.proc.stdin.close()  # still open on this side where the worker exited by itself
-        except OSError:
-            pass
+            self.proc.stdin.close()  # the end of its input: it exits
+        except OSError:  # a broken pipe: it stopped reading (a no-op once it has exited)
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         GUARD.discard(self.proc.pid)
         # The pump reads the worker's last lines, then the end of its output; where a process the
         # worker started still holds that open, both stay open rather than wait for it.

@@ -359,11 +359,20 @@ def test_a_worker_that_exits_is_skipped_with_its_last_words(tmp_path):
         ce.WorkerEngine(silent, dict(os.environ), log, timeout=0.5)
 
 
+def _state(pid: int) -> str | None:
+    """The process's state letter from /proc (T: stopped, Z: exited, waiting for its parent); None
+    when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def _states(pids, want_stopped: bool) -> list[str]:
-    """The processes' state letters from /proc (T: stopped), polled up to 5 s until each is (or is
-    not) stopped: a signal is acted on after kill() returns."""
+    """The processes' state letters, polled up to 5 s until each is (or is not) stopped: a signal
+    is acted on after kill() returns."""
     def states():
-        return [Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] for p in pids]
+        return [_state(p) for p in pids]
     deadline = time.monotonic() + 5
     while any((s == "T") != want_stopped for s in states()) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -408,10 +417,7 @@ def _gone(pids) -> bool:
     """Whether every process has exited (no /proc entry, or a zombie waiting for its new parent),
     polled up to 20 s."""
     def alive(p):
-        try:
-            return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
+        return _state(p) not in (None, "Z")
     deadline = time.monotonic() + 20
     while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
