@@ -20,7 +20,8 @@ from pathlib import Path
 from tinyllm_cli import LLM
 from tinyllm_cli.config import flat_overrides, load_config
 from tinyllm_cli.machine import cpu_name
-from tinyllm_cli.sim.trace import read_trace, to_requests
+from tinyllm_cli.sim.trace import to_requests
+from tinyllm_cli.traces import read_trace
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SWEEP = [16, 24, 32, 48, 64, 96, 128]

@@ -11,7 +11,7 @@ import time
 from tinyllm_cli.config import flat_overrides, load_config
 from tinyllm_cli.sim.cost import CostModel, default_profile_path
 from tinyllm_cli.sim.run import Simulation
-from tinyllm_cli.sim.trace import generate_trace
+from tinyllm_cli.traces import generate_trace
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
 arrivals = sys.argv[2] if len(sys.argv) > 2 else "offline"

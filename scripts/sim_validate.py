@@ -28,7 +28,8 @@ from tinyllm_cli.config import flat_overrides, load_config
 from tinyllm_cli.machine import cpu_name
 from tinyllm_cli.sim.cost import CostModel, default_profile_path
 from tinyllm_cli.sim.run import Simulation
-from tinyllm_cli.sim.trace import generate_trace, serve_arrivals, to_requests
+from tinyllm_cli.sim.trace import serve_arrivals, to_requests
+from tinyllm_cli.traces import generate_trace
 
 RATE, SEED = 2.0, 0
 CACHES = {"paged tight": dict(cache="paged", num_blocks=48, block_size=16, max_num_seqs=16),

@@ -12,7 +12,8 @@ import pytest
 from tinyllm_cli.errors import UsageError
 from tinyllm_cli.sim.cost import CostModel, fit
 from tinyllm_cli.sim.run import Simulation
-from tinyllm_cli.sim.trace import TraceItem, generate_trace, read_trace, to_requests
+from tinyllm_cli.sim.trace import to_requests
+from tinyllm_cli.traces import TraceItem, generate_trace, read_trace
 
 COEFS = [2e-3, 1e-4, 1e-7, 5e-5, 1e-8, 1e-4, 3e-6]
 

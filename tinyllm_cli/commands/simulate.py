@@ -15,7 +15,8 @@ from ..errors import UsageError
 from ..report import stderr_console
 from ..sim.cost import CostModel, calibrate, default_profile_path
 from ..sim.run import Simulation
-from ..sim.trace import generate_trace, read_trace, serve_arrivals, write_trace
+from ..sim.trace import serve_arrivals
+from ..traces import generate_trace, read_trace, write_trace
 from .common import finish_run, int_list, write_json
 
 SWEEPS = {"block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
