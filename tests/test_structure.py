@@ -21,6 +21,12 @@ FORBIDDEN = {
     "tinyllm_cli.report": ("tinyllm_cli.llm", "tinyllm_cli.engine", "tinyllm_cli.cluster"),
 }
 
+# The load generator is a client of the HTTP API only (DESIGN.md, fourth round): nothing it
+# reaches, directly or through any module it imports, is engine code.
+ENGINE_CODE = ("tinyllm_cli.engine", "tinyllm_cli.cache", "tinyllm_cli.model", "tinyllm_cli.runtime",
+               "tinyllm_cli.llm", "tinyllm_cli.cluster", "tinyllm_cli.sim")
+HTTP_CLIENTS = ("tinyllm_cli.loadgen", "tinyllm_cli.commands.load", "tinyllm_cli.traces")
+
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PKG.parent).with_suffix("").parts
@@ -117,4 +123,32 @@ def test_lower_layers_never_reach_up():
     g = graph()
     bad = [(m, t) for m, ts in g.items() for t in ts for layer, banned in FORBIDDEN.items()
            if (m == layer or m.startswith(layer + ".")) and any(t == b or t.startswith(b + ".") for b in banned)]
+    assert bad == []
+
+
+def reachable(g: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others (a package's __init__ included)."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        for t in g.get(m, ()):
+            parents = [".".join(t.split(".")[:i]) for i in range(2, t.count(".") + 1)]
+            for x in [t, *parents]:
+                if x in g and x not in seen:
+                    seen.add(x)
+                    todo.append(x)
+    return seen
+
+
+def test_the_closure_sees_an_indirect_import():
+    g = graph()
+    assert "tinyllm_cli.engine.request" in reachable(g, "tinyllm_cli.workload")  # workload -> engine.request
+
+
+def test_the_load_generator_reaches_no_engine_code():
+    g = graph()
+    clients = [m for m in g if any(m == c or m.startswith(c + ".") for c in HTTP_CLIENTS)]
+    assert "tinyllm_cli.loadgen.run" in clients and "tinyllm_cli.commands.load" in clients
+    bad = sorted((m, t) for m in clients for t in reachable(g, m)
+                 if any(t == e or t.startswith(e + ".") for e in ENGINE_CODE))
     assert bad == []

@@ -311,13 +311,68 @@ def inspect_blocks(
 @app.command("plot")
 @shared("debug")
 def plot_command(
-    stats: Annotated[Path, typer.Argument(help="A saved JSON: bench --json, inspect-blocks --json or a --stats-json run.")],
+    stats: Annotated[Path, typer.Argument(help="A saved JSON: bench --json, inspect-blocks --json, load --json or a --stats-json run.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="FILE.png or FILE.svg.")],
     opts: Opts = None,
 ):
-    """Draw a saved bench, inspect-blocks or run JSON again, without rerunning anything."""
+    """Draw a saved bench, inspect-blocks, load or run JSON again, without rerunning anything."""
     from .commands.plot import run_plot
     raise typer.Exit(run_plot(stats, output))
+
+
+# ---- load ----------------------------------------------------------------------------------
+
+@app.command("load")
+@shared("quiet", "debug", "plot")
+def load(
+    url: Annotated[str, typer.Option("--url", help="The server's OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1.")],
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="TINYLLM_API_KEY", show_envvar=True, help="Sent as 'Authorization: Bearer KEY'.")] = None,
+    endpoint: Annotated[str, typer.Option("--endpoint", help="completions or chat.")] = "completions",
+    served_model: Annotated[Optional[str], typer.Option("--model", help="The model name to request (default: the first the server lists).")] = None,
+    request_rate: Annotated[Optional[str], typer.Option("--request-rate", help="Comma list of request rates per second, one run each; inf sends every request at once (default inf; with --trace: the trace's own arrival times).")] = None,
+    burstiness: Annotated[float, typer.Option("--burstiness", help="Gamma arrivals' shape: 1 is Poisson, below 1 burstier.")] = 1.0,
+    max_concurrency: Annotated[Optional[int], typer.Option("--max-concurrency", help="Requests in flight at most; the others wait their turn (their send lag shows it).")] = None,
+    num_requests: Annotated[Optional[int], typer.Option("--num-requests", help="Requests per rate (default 100; with --trace: every line).")] = None,
+    duration: Annotated[Optional[float], typer.Option("--duration", help="Instead of --num-requests: send for this many seconds per rate.")] = None,
+    trace: Annotated[Optional[str], typer.Option("--trace", "-t", help="Requests JSONL in simulate's trace format (arrival_s, prompt_len, output_len, prefix_group ...).")] = None,
+    time_scale: Annotated[float, typer.Option("--time-scale", help="Multiply a trace's arrival times (0.5 replays it twice as fast).")] = 1.0,
+    prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompts file instead of random tokens: .txt (one per line) or .jsonl ('prompt' or 'messages').")] = None,
+    input_len: Annotated[int, typer.Option(help="Random workload: mean prompt length in tokens.")] = 128,
+    output_len: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 64,
+    range_ratio: Annotated[float, typer.Option(help="Random workload: lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
+    prefix_len: Annotated[int, typer.Option(help="Random workload: shared-prefix tokens per prompt.")] = 0,
+    num_prefixes: Annotated[int, typer.Option(help="Random workload: distinct shared prefixes.")] = 1,
+    vocab_size: Annotated[int, typer.Option("--vocab-size", help="Random workload and traces: token ids stay below this (the default model's vocabulary).")] = 49152,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the send times.")] = 0,
+    workload_seed: Annotated[int, typer.Option("--workload-seed", help="Seed of the random workload's prompts.")] = 0,
+    goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="SLOs in ms, e.g. 'ttft:500 tpot:50 e2el:5000': goodput counts the requests that meet every one.")] = None,
+    server_metrics: Annotated[bool, typer.Option("--server-metrics", help="Read the server's Prometheus /metrics before, during and after each run.")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every request's record and each rate's summary as JSON ('-': stdout).")] = None,
+    opts: Opts = None,
+):
+    """Send open-loop load to an OpenAI-compatible server and report what each request experienced."""
+    from .commands.load import LoadSpec, parse_rates, run_load
+    from .loadgen.records import parse_goodput
+    from .loadgen.schedule import Workload
+    from .plot import prepare
+    prepare(opts.plot)
+    if endpoint not in ("completions", "chat"):
+        raise UsageError(f"--endpoint must be completions or chat, not {endpoint!r}")
+    try:
+        slo = parse_goodput(goodput)
+    except ValueError as e:
+        raise UsageError(str(e))
+    rates = [None] if trace is not None and request_rate is None else parse_rates(request_rate or "inf")
+    if num_requests is None and duration is None and trace is None:
+        num_requests = 100
+    w = Workload(input_len=input_len, output_len=output_len, range_ratio=range_ratio, prefix_len=prefix_len,
+                 num_prefixes=num_prefixes, vocab_size=vocab_size, trace=trace, prompts_file=prompts,
+                 chat=endpoint == "chat", seed=workload_seed)
+    spec = LoadSpec(url=url, chat=endpoint == "chat", model=served_model, api_key=api_key, rates=rates,
+                    burstiness=burstiness, max_concurrency=max_concurrency, num_requests=num_requests,
+                    duration_s=duration, time_scale=time_scale, seed=seed, workload=w, slo=slo,
+                    server_metrics=server_metrics)
+    raise typer.Exit(run_load(spec, json_out, opts.plot, opts.quiet))
 
 
 # ---- simulate ------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Pictures of run stats: bench sweeps, inspect-blocks timelines and block maps, run summaries.
+"""Pictures of run stats: bench sweeps, inspect-blocks timelines and block maps, run summaries,
+load sweeps.
 
 Like ``report.py`` this only reads the stats dicts the tables read (bench rows, the inspect-blocks
 report, a run summary) and computes nothing the engine did not record.
@@ -380,11 +381,76 @@ def run_figure(s: dict):
     return fig
 
 
+# ---- a tinyllm load run (load --json) --------------------------------------------------------
+
+LOAD_PANELS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("latency_s", "end-to-end latency"))
+
+
+def load_figure(report: dict):
+    """Top: each latency's p50 / p90 / p99 against the offered request rate (rates evenly
+    spaced, so inf has a place), and achieved throughput and goodput against it. Bottom: one
+    run's per-request timeline (the highest rate's): each request from its scheduled send to
+    its end, waiting for the first token in grey, streaming in colour, failures in red."""
+    runs = report["runs"]
+    fig = _figure(13, 8)
+    grid = fig.add_gridspec(2, 4, height_ratios=[1, 1.15])
+    x = list(range(len(runs)))
+    labels = [str(r["request_rate"]) for r in runs]
+    for i, (key, name) in enumerate(LOAD_PANELS):
+        ax = fig.add_subplot(grid[0, i])
+        for j, p in enumerate(("p50", "p90", "p99")):
+            ys = [(r["summary"][key][p] or math.nan) * 1000 for r in runs]
+            ax.plot(x, ys, marker="o", color=f"C{j}", label=p, gid=f"{key}/{p}")
+        _rate_axis(ax, x, labels)
+        ax.set_ylabel("milliseconds")
+        ax.set_title(name, fontsize=10)
+        ax.legend(fontsize=8)
+    ax = fig.add_subplot(grid[0, 3])
+    ax.plot(x, [r["summary"]["requests_per_s"] for r in runs], marker="o", color="tab:blue",
+            label="completed req/s", gid="requests_per_s")
+    if any("slo" in r["summary"] for r in runs):
+        ax.plot(x, [r["summary"].get("slo", {}).get("goodput_req_per_s", math.nan) for r in runs], marker="s",
+                color="tab:green", label="goodput req/s", gid="goodput_req_per_s")
+    _rate_axis(ax, x, labels)
+    ax.set_ylabel("requests / s")
+    ax.set_title("throughput and goodput", fontsize=10)
+    ax.legend(fontsize=8)
+    _load_timeline(fig.add_subplot(grid[1, :]), runs[-1])
+    fig.suptitle(f"tinyllm load · {report.get('model')} · {report.get('endpoint')} · {report.get('url')}", fontsize=11)
+    return fig
+
+
+def _rate_axis(ax, x: list[int], labels: list[str]) -> None:
+    ax.set_xticks(x, labels)
+    ax.set_xlabel("offered request rate (req/s)")
+    ax.set_ylim(bottom=0)
+
+
+def _load_timeline(ax, run: dict) -> None:
+    recs = sorted(run["records"], key=lambda r: r["scheduled_s"])
+    for y, r in enumerate(recs):
+        start = r["sent_s"] if r["sent_s"] is not None else r["scheduled_s"]
+        if r["error"] is not None or r["latency_s"] is None:
+            ax.plot([r["scheduled_s"], start], [y, y], color="tab:red", lw=1.5, gid=f"request/{r['index']}/failed")
+            ax.plot([start], [y], marker="x", color="tab:red", ms=3)
+            continue
+        first = start + (r["ttft_s"] or 0.0)
+        ax.plot([r["scheduled_s"], first], [y, y], color="0.7", lw=1.5, gid=f"request/{r['index']}/waiting")
+        ax.plot([first, start + r["latency_s"]], [y, y], color="tab:blue", lw=1.5,
+                gid=f"request/{r['index']}/streaming")
+    ax.set_xlabel("seconds from the run's start")
+    ax.set_ylabel("request (by send time)")
+    s = run["summary"]
+    ax.set_title(f"per-request timeline at rate {run['request_rate']}: scheduled send to first token (grey), "
+                 f"streaming (blue), failed (red) · {s['num_completed']} completed, {s['num_failed']} failed",
+                 fontsize=10)
+
+
 # ---- a saved JSON, drawn again --------------------------------------------------------------
 
 def stats_kind(data) -> str | None:
-    """What a saved JSON is: 'bench' (bench --json rows), 'inspect' (inspect-blocks --json) or
-    'run' (a --stats-json summary); None for anything else."""
+    """What a saved JSON is: 'bench' (bench --json rows), 'inspect' (inspect-blocks --json),
+    'run' (a --stats-json summary) or 'load' (load --json); None for anything else."""
     if isinstance(data, list) and data and all(isinstance(r, dict) and {"cache_kind", "block_size",
                                                                        "total_tokens_per_s"} <= r.keys()
                                                for r in data):
@@ -393,10 +459,12 @@ def stats_kind(data) -> str | None:
         return "inspect"
     if isinstance(data, dict) and {"num_requests", "output_tokens_per_s", "ttft_s", "cache_kind"} <= data.keys():
         return "run"
+    if isinstance(data, dict) and data.get("kind") == "load" and isinstance(data.get("runs"), list) and data["runs"]:
+        return "load"
     return None
 
 
-FIGURES = {"bench": bench_figure, "inspect": inspect_figure, "run": run_figure}
+FIGURES = {"bench": bench_figure, "inspect": inspect_figure, "run": run_figure, "load": load_figure}
 
 
 def draw(kind: str, data, path: Path) -> None:
@@ -417,7 +485,7 @@ def plot_saved(stats_path: Path, out: Path) -> str:
     kind = stats_kind(data)
     if kind is None:
         raise UsageError(f"{str(stats_path)!r} is not a file tinyllm can draw: it takes the JSON of bench --json, "
-                         f"inspect-blocks --json or a --stats-json run summary")
+                         f"inspect-blocks --json, load --json or a --stats-json run summary")
     try:
         fig = FIGURES[kind](data)
     except (KeyError, TypeError, ValueError, IndexError) as e:

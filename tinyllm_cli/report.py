@@ -202,3 +202,57 @@ def block_map(owner: list[int | None], refs: list[int] | None = None, cached: se
         else:
             text.append(CELL[o % len(CELL)], style=f"bold {PALETTE[o % len(PALETTE)]}")
     return text
+
+
+# ---- tinyllm load ---------------------------------------------------------------------------
+
+LOAD_LATENCIES = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E latency", "latency_s"))
+
+
+def load_rate_table(run: dict, report: dict) -> Table:
+    """One rate of a ``tinyllm load`` run: counts, throughput, latency percentiles (ms), how
+    faithfully the schedule was kept, goodput, and the server's own metrics when read."""
+    s = run["summary"]
+    t = Table(title=f"tinyllm load · {report.get('model')} · {report.get('endpoint')} · rate {run['request_rate']}"
+                    + (f" · burstiness {run['burstiness']:g}" if run.get("burstiness", 1) != 1 else "")
+                    + (f" · max concurrency {run['max_concurrency']}" if run.get("max_concurrency") else ""),
+              show_header=False)
+    t.add_column("", style="bold")
+    t.add_column("")
+    for name, key in LOAD_LATENCIES + (("send lag", "send_lag_s"),):
+        p = s[key]
+        t.add_row(f"{name} ms, mean / p50 / p90 / p99", " / ".join(_ms(p[k]) for k in ("mean", "p50", "p90", "p99")))
+    t.add_row("requests", f"{s['num_completed']} completed, {s['num_failed']} failed of {s['num_requests']} "
+                          f"in {s['elapsed_s']:.2f} s")
+    t.add_row("throughput", f"{s['requests_per_s']:.2f} req/s, {s['output_tokens_per_s']:.1f} output tok/s, "
+                            f"{s['total_tokens_per_s']:.1f} total tok/s")
+    slo = s.get("slo")
+    if slo:
+        limits = ", ".join(f"{k.removesuffix('_s')} <= {slo[k] * 1000:g} ms" for k in ("ttft_s", "tpot_s", "latency_s")
+                           if k in slo)
+        t.add_row("goodput", f"{slo['goodput_req_per_s']:.2f} req/s ({slo['slo_attainment']:.1%} of requests "
+                             f"within {limits})")
+    for err, n in (s.get("errors") or {}).items():
+        t.add_row("failed", f"{n} x {err}")
+    server = s.get("server")
+    if server:
+        t.add_row("server", ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k}: {v}"
+                                      for k, v in server.items()))
+    return t
+
+
+def load_sweep_table(report: dict) -> Table:
+    """Every rate of a ``tinyllm load`` run, one row each."""
+    t = Table(title=f"tinyllm load · {report.get('model')} · rate sweep", header_style="bold")
+    cols = ("rate", "done/failed", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+            "E2E p50/p99 ms", "lag p99 ms", "goodput req/s")
+    for col in cols:
+        t.add_column(col, justify="right")
+    for run in report["runs"]:
+        s = run["summary"]
+        g = (s.get("slo") or {}).get("goodput_req_per_s")
+        t.add_row(str(run["request_rate"]), f"{s['num_completed']}/{s['num_failed']}", f"{s['requests_per_s']:.2f}",
+                  f"{s['output_tokens_per_s']:.1f}", *(f"{_ms(s[k]['p50'])} / {_ms(s[k]['p99'])}"
+                                                       for k in ("ttft_s", "tpot_s", "latency_s")),
+                  _ms(s["send_lag_s"]["p99"]), "-" if g is None else f"{g:.2f}")
+    return t

@@ -1,4 +1,4 @@
-"""``tinyllm plot``: draw a saved bench, inspect-blocks or run JSON again, without rerunning."""
+"""``tinyllm plot``: draw a saved bench, inspect-blocks, load or run JSON again, without rerunning."""
 
 from __future__ import annotations
 
