@@ -39,12 +39,17 @@ class RequestRecord:
     def ok(self) -> bool:
         return self.error is None and self.latency_s is not None
 
-    def to_json(self) -> dict:
-        d = asdict(self)
+    def settle(self) -> None:
+        """Round every time to the microsecond, once the request is over, so the JSON holds
+        exactly the values the summary was computed from."""
         for k in ("sent_s", "ttft_s", "tpot_s", "latency_s"):
-            d[k] = None if d[k] is None else round(d[k], 6)
-        d["itl_s"] = [round(x, 6) for x in d["itl_s"]]
-        return d
+            v = getattr(self, k)
+            if v is not None:
+                setattr(self, k, round(v, 6))
+        self.itl_s = [round(x, 6) for x in self.itl_s]
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 def percentiles(xs, ps=(50, 90, 99)) -> dict[str, float | None]:
@@ -96,13 +101,13 @@ def meets(r: RequestRecord, slo: dict[str, float]) -> bool:
 def summarize(records: list[RequestRecord], elapsed_s: float, slo: dict[str, float] | None = None) -> dict:
     """One rate's summary from its records (the records are the only input)."""
     done = [r for r in records if r.ok]
-    el = max(elapsed_s, 1e-9)
+    el = max(round(elapsed_s, 6), 1e-6)
     prompt = sum(r.prompt_tokens or 0 for r in done)
     out = sum(r.output_tokens for r in done)
     lags = [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
     s = {
         "num_requests": len(records), "num_completed": len(done), "num_failed": len(records) - len(done),
-        "prompt_tokens": prompt, "output_tokens": out, "elapsed_s": round(el, 4),
+        "prompt_tokens": prompt, "output_tokens": out, "elapsed_s": el,
         "requests_per_s": round(len(done) / el, 4),
         "output_tokens_per_s": round(out / el, 2), "total_tokens_per_s": round((prompt + out) / el, 2),
         "ttft_s": percentiles([r.ttft_s for r in done if r.ttft_s is not None]),

@@ -81,6 +81,7 @@ async def run_rate(client: httpx.AsyncClient, target: Target, planned: Iterable[
     for r in records:
         if r.latency_s is None and r.error is None:
             r.error = GONE
+        r.settle()
     summary = summarize(records, elapsed, target.slo)
     if sampler and not gone.why:
         await sampler.finish()

@@ -1,0 +1,381 @@
+"""``tinyllm load``: the schedule (seeded, open loop, the right rate), the client against
+transports that answer, fail and vanish, the summary recomputed from its own records, the
+server's /metrics, the CLI's errors and the figure; and a live run against ``tinyllm serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+
+import httpx
+import pytest
+
+from tinyllm_cli.cli import main
+from tinyllm_cli.loadgen import metrics
+from tinyllm_cli.loadgen.records import RequestRecord, parse_goodput, percentiles, summarize
+from tinyllm_cli.loadgen.run import GONE, Target, new_client, run_rate
+from tinyllm_cli.loadgen.schedule import Workload, plan, send_times
+from tinyllm_cli.traces import generate_trace
+
+URL = "http://load.test/v1"
+
+
+def cli(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+# ---- the schedule, without a server ---------------------------------------------------------
+
+@pytest.mark.parametrize("rate,burstiness", [(4.0, 1.0), (25.0, 1.0), (10.0, 0.5), (10.0, 3.0)])
+def test_mean_gap_is_one_over_the_rate(rate, burstiness):
+    times = [p.at_s for p in plan(Workload(), rate, burstiness, seed=3, num_requests=2001, duration_s=None)]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(gaps) == 2000 and times[0] == 0.0
+    assert abs(statistics.fmean(gaps) - 1 / rate) <= 0.05 / rate
+    cv = statistics.pstdev(gaps) / statistics.fmean(gaps)  # gamma(k): cv = 1/sqrt(k)
+    assert abs(cv - 1 / math.sqrt(burstiness)) < 0.15 / math.sqrt(burstiness)
+
+
+def test_same_seed_same_schedule_and_prompts_other_seed_other_times():
+    a = list(plan(Workload(), 5.0, 1.0, seed=1, num_requests=50, duration_s=None))
+    b = list(plan(Workload(), 5.0, 1.0, seed=1, num_requests=50, duration_s=None))
+    c = list(plan(Workload(), 5.0, 1.0, seed=2, num_requests=50, duration_s=None))
+    assert [(p.at_s, p.prompt, p.output_len) for p in a] == [(p.at_s, p.prompt, p.output_len) for p in b]
+    assert [p.at_s for p in a] != [p.at_s for p in c]
+    assert [p.prompt for p in a] == [p.prompt for p in c]  # prompts follow --workload-seed alone
+    other = list(plan(Workload(seed=9), 5.0, 1.0, seed=1, num_requests=50, duration_s=None))
+    assert [p.prompt for p in a] != [p.prompt for p in other]
+
+
+def test_every_rate_sends_the_same_prompts_and_inf_sends_all_at_once():
+    slow = list(plan(Workload(), 2.0, 1.0, seed=0, num_requests=20, duration_s=None))
+    burst = list(plan(Workload(), math.inf, 1.0, seed=0, num_requests=20, duration_s=None))
+    assert [p.prompt for p in slow] == [p.prompt for p in burst]
+    assert all(p.at_s == 0.0 for p in burst)
+
+
+def test_random_workload_is_simulates():
+    w = Workload(input_len=40, output_len=12, range_ratio=0.5, prefix_len=8, num_prefixes=2, vocab_size=1000, seed=5)
+    got = list(plan(w, 1.0, 1.0, seed=0, num_requests=30, duration_s=None))
+    want = list(generate_trace(30, 40, 12, range_ratio=0.5, prefix_len=8, num_prefixes=2, seed=5))
+    assert [len(p.prompt) for p in got] == [it.prompt_len for it in want]
+    assert [p.output_len for p in got] == [it.output_len for it in want]
+    assert all(4 <= t < 1000 for p in got for t in p.prompt)
+    groups = {}
+    for p, it in zip(got, want):  # a prefix group's prompts share their first prefix_len tokens
+        groups.setdefault(it.prefix_group, set()).add(tuple(p.prompt[:8]))
+    assert all(len(v) == 1 for v in groups.values()) and len(groups) == 2
+
+
+def test_poisson_times_are_serve_batchs():
+    from tinyllm_cli.workload import poisson_gaps  # serve-batch's --request-rate arrivals
+    gaps = poisson_gaps(3.0, 11)
+    t, want = 0.0, [0.0]
+    for _ in range(99):
+        t += next(gaps)
+        want.append(t)
+    assert list(zip(range(100), send_times(3.0, 1.0, 11))) == list(enumerate(want))
+
+
+def test_trace_keeps_its_times_scaled_or_takes_a_rate(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": 0.5 * i, "prompt_len": 5 + i, "output_len": 3}) + "\n"
+                             for i in range(6)))
+    w = Workload(trace=str(trace), vocab_size=500)
+    own = list(plan(w, None, 1.0, seed=0, num_requests=None, duration_s=None, time_scale=2.0))
+    assert [p.at_s for p in own] == [1.0 * i for i in range(6)]
+    assert [len(p.prompt) for p in own] == [5 + i for i in range(6)]
+    paced = list(plan(w, 10.0, 1.0, seed=0, num_requests=None, duration_s=None))
+    assert [p.at_s for p in paced] == list(x for _, x in zip(range(6), send_times(10.0, 1.0, 0)))
+    assert [p.at_s for p in plan(w, None, 1.0, seed=0, num_requests=None, duration_s=1.2)] == [0.0, 0.5, 1.0]
+
+
+def test_duration_bounds_the_schedule():
+    got = [p.at_s for p in plan(Workload(), 50.0, 1.0, seed=0, num_requests=None, duration_s=2.0)]
+    assert got and max(got) < 2.0 and 60 < len(got) < 140
+
+
+# ---- a transport in place of a server -------------------------------------------------------
+
+def sse(chunks: list[str], usage: dict | None = None, done: bool = True, error: str | None = None) -> bytes:
+    lines = [f"data: {json.dumps({'choices': [{'index': 0, 'text': c}]})}\n\n" for c in chunks]
+    if error:
+        lines.append(f"data: {json.dumps({'error': {'message': error}})}\n\n")
+    if usage:
+        lines.append(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n")
+    if done:
+        lines.append("data: [DONE]\n\n")
+    return "".join(lines).encode()
+
+
+def run(handler, planned, *, slo=None, concurrency=None, server_metrics=False):
+    async def go():
+        async with new_client(httpx.MockTransport(handler)) as client:
+            target = Target(URL, "m", max_concurrency=concurrency, server_metrics=server_metrics, slo=slo or {})
+            return await run_rate(client, target, planned)
+    return asyncio.run(go())
+
+
+def schedule(n, rate=200.0, output_len=4):
+    return plan(Workload(output_len=output_len, input_len=8, vocab_size=100), rate, 1.0, seed=0,
+                num_requests=n, duration_s=None)
+
+
+def test_sending_never_waits_for_completions():
+    """Every request is sent before any is answered: the transport holds all answers until it
+    has seen the last request."""
+    n = 40
+    seen, all_sent = [], asyncio.Event()
+
+    async def handler(request):
+        seen.append(json.loads(request.content))
+        if len(seen) == n:
+            all_sent.set()
+        await all_sent.wait()
+        return httpx.Response(200, content=sse(["a", "b"], {"prompt_tokens": 8, "completion_tokens": 2}))
+
+    res = run(handler, schedule(n, rate=100.0))
+    assert len(seen) == n and res.summary["num_completed"] == n
+    latest_send = max(r.sent_s for r in res.records)
+    assert all(r.sent_s + r.latency_s >= latest_send for r in res.records)  # none finished before the last send
+
+
+def test_max_concurrency_holds_requests_back():
+    inflight, peak = [0], [0]
+
+    async def handler(request):
+        inflight[0] += 1
+        peak[0] = max(peak[0], inflight[0])
+        await asyncio.sleep(0.02)
+        inflight[0] -= 1
+        return httpx.Response(200, content=sse(["x"], {"prompt_tokens": 1, "completion_tokens": 1}))
+
+    res = run(handler, schedule(12, rate=math.inf), concurrency=3)
+    assert peak[0] == 3 and res.summary["num_completed"] == 12
+    assert res.summary["send_lag_s"]["p99"] > 0.02  # the held-back ones say so
+
+
+def varied(request):
+    """Answers that differ per request: prompt tokens from the body, a few chunk gaps."""
+    body = json.loads(request.content)
+    k = body["prompt"][0] % 5
+
+    async def stream():
+        await asyncio.sleep(0.004 * k)
+        for i in range(body["max_tokens"]):
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n".encode()
+            await asyncio.sleep(0.002 * (k % 3))
+        yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': len(body['prompt']), 'completion_tokens': body['max_tokens']}})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    return httpx.Response(200, content=stream())
+
+
+def test_goodput_recomputed_from_the_records_equals_the_reported_figure():
+    slo = parse_goodput(["ttft:10 tpot:3", "e2el:40"])
+    assert slo == {"ttft_s": 0.01, "tpot_s": 0.003, "latency_s": 0.04}
+    res = run(varied, schedule(60, rate=400.0, output_len=6), slo=slo)
+    good = 0
+    for r in res.records:
+        d = r.to_json()
+        within = (d["error"] is None and d["ttft_s"] <= 0.01 and d["latency_s"] <= 0.04
+                  and (d["tpot_s"] is None or d["tpot_s"] <= 0.003))
+        good += within
+    s = res.summary
+    assert 0 < good < 60  # the SLOs split the requests, so the check means something
+    assert s["slo"]["num_good"] == good
+    assert s["slo"]["goodput_req_per_s"] == round(good / s["elapsed_s"], 4)
+    assert s["slo"]["slo_attainment"] == round(good / 60, 4)
+
+
+def test_records_give_the_latency_figures():
+    planned = list(schedule(30, rate=500.0, output_len=5))
+    want = {p.index: p.output_len for p in planned}
+    res = run(varied, planned)
+    assert len(set(want.values())) > 1
+    for r in res.records:
+        n = want[r.index]
+        assert r.output_tokens == n and len(r.itl_s) == n - 1
+        if n > 1:  # times kept to the µs
+            assert r.tpot_s == pytest.approx((r.latency_s - r.ttft_s) / (n - 1), abs=2e-6)
+        else:
+            assert r.tpot_s is None
+        assert r.ttft_s + sum(r.itl_s) <= r.latency_s + 1e-5
+    s = res.summary
+    assert s["ttft_s"] == percentiles([r.ttft_s for r in res.records])
+    assert s["output_tokens"] == sum(want.values()) and s["prompt_tokens"] == sum(r.prompt_tokens for r in res.records)
+
+
+def test_percentiles_are_the_engines():
+    from tinyllm_cli.engine.stats import percentiles as engine_percentiles
+    xs = [0.3, 0.1, 0.7, 0.2, 0.9, 0.4, 0.15]
+    assert percentiles(xs) == engine_percentiles(xs)
+
+
+def test_failed_requests_are_counted_and_never_end_the_run():
+    def handler(request):
+        i = json.loads(request.content)["prompt"][0] % 4
+        if i == 0:
+            return httpx.Response(400, json={"error": {"message": "prompt too long", "type": "invalid_request_error"}})
+        if i == 1:
+            return httpx.Response(200, content=sse(["a"], error="engine failed"))
+        if i == 2:
+            return httpx.Response(200, content=sse(["a", "b"], done=False))
+        return httpx.Response(200, content=sse(["a", "b"], {"prompt_tokens": 3, "completion_tokens": 2}))
+
+    planned = list(schedule(40, rate=math.inf))
+    kinds = [p.prompt[0] % 4 for p in planned]
+    res = run(handler, planned)
+    s = res.summary
+    assert res.gone is None and s["num_requests"] == 40
+    assert s["num_failed"] == sum(k != 3 for k in kinds) and s["num_completed"] == kinds.count(3)
+    assert s["errors"]["HTTP 400: prompt too long"] == kinds.count(0)
+    assert s["errors"]["error event: engine failed"] == kinds.count(1)
+    assert s["errors"]["stream ended without [DONE]"] == kinds.count(2)
+    assert s["latency_s"]["p50"] is not None
+
+
+def test_a_server_that_goes_away_ends_the_run_with_the_records_kept():
+    state = {"n": 0}
+
+    async def handler(request):
+        if request.url.path.endswith("/models"):  # the liveness probe after a cut stream
+            raise httpx.ConnectError("connection refused")
+        state["n"] += 1
+        if state["n"] > 10:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, content=sse(["a", "b"], {"prompt_tokens": 8, "completion_tokens": 2}))
+
+    res = run(handler, schedule(50, rate=300.0))
+    assert res.gone and "refused" in res.gone
+    s = res.summary
+    assert s["num_completed"] == 10 and s["num_requests"] < 50  # the rest were never sent
+    assert all(r.ok or r.error for r in res.records)
+    assert sum(r.ok for r in res.records) == 10
+
+
+def test_a_stream_cut_by_a_dying_server_ends_the_run():
+    cut = asyncio.Event()
+
+    async def handler(request):
+        if request.url.path.endswith("/models"):
+            raise httpx.ConnectError("connection refused")
+
+        async def stream():
+            yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'a'}]})}\n\n".encode()
+            await cut.wait()
+            raise httpx.ReadError("connection reset")
+        if not cut.is_set():
+            asyncio.get_running_loop().call_later(0.05, cut.set)
+        return httpx.Response(200, content=stream())
+
+    res = run(handler, schedule(500, rate=200.0))
+    assert res.gone and "cut short" in res.gone
+    assert res.summary["num_requests"] < 500 and res.summary["num_completed"] == 0
+    assert {r.error.split(":")[0] for r in res.records} <= {"stream cut short", GONE.split(":")[0]}
+
+
+# ---- the server's /metrics ---------------------------------------------------------------------
+
+PROM = """# HELP vllm:num_preemptions_total Preemptions.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{{model_name="m"}} {pre}
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{model_name="m"}} {kv}
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{{model_name="m"}} {q}
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{{model_name="m"}} {h}
+"""
+
+
+def test_server_metrics_report_counter_differences_and_gauge_peaks():
+    scrapes = iter([dict(pre=2, kv=0.1, q=100, h=10), dict(pre=3, kv=0.8, q=150, h=30)]
+                   + [dict(pre=5, kv=0.3, q=200, h=50)] * 1000)
+
+    calls, looked = [0], asyncio.Event()
+
+    async def handler(request):
+        if request.url.path == "/metrics":
+            calls[0] += 1
+            if calls[0] == 2:  # the first look during the run
+                looked.set()
+            return httpx.Response(200, text=PROM.format(**next(scrapes)))
+        await asyncio.wait_for(looked.wait(), 60)  # answer once the sampler has looked mid-run
+        return httpx.Response(200, content=sse(["a"], {"prompt_tokens": 1, "completion_tokens": 1}))
+
+    res = run(handler, schedule(3, rate=math.inf), server_metrics=True)
+    server = res.summary["server"]
+    assert server["preemptions"] == 3 and server["prefix_cache_queries"] == 100
+    assert server["prefix_cache_hits"] == 40 and server["prefix_cache_hit_rate"] == 0.4
+    assert server["peak_kv_cache_usage"] == 0.8
+
+
+def test_a_server_without_metrics_gets_a_note():
+    def handler(request):
+        if request.url.path == "/metrics":
+            return httpx.Response(404)
+        return httpx.Response(200, content=sse(["a"], {"prompt_tokens": 1, "completion_tokens": 1}))
+
+    res = run(handler, schedule(2), server_metrics=True)
+    assert "no readable Prometheus metrics" in res.summary["server"]["note"]
+    assert metrics.metrics_url("http://h:1/v1/") == "http://h:1/metrics"
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_server_is_one_sentence_and_exit_1(capsys, tmp_path):
+    out_json = tmp_path / "l.json"
+    code, out, err = cli(capsys, "load", "--url", f"http://127.0.0.1:{free_port()}/v1", "--json", out_json)
+    assert code == 1 and out == ""
+    assert err.startswith("error: no server answers at") and len(err.strip().splitlines()) == 1
+    assert json.loads(out_json.read_text())["runs"] == []
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--request-rate", "0"], "--request-rate"),
+    (["--request-rate", "fast"], "--request-rate"),
+    (["--goodput", "ttfb:10"], "--goodput"),
+    (["--goodput", "ttft:-1"], "--goodput ttft"),
+    (["--endpoint", "chat"], "--prompts"),
+    (["--endpoint", "grpc"], "--endpoint"),
+    (["--num-requests", "5", "--duration", "3"], "not both"),
+    (["--duration", "3"], "finite"),
+    (["--url", "127.0.0.1:8000"], "http://"),
+    (["--json", "/nonexistent-dir/x.json"], "folder"),
+])
+def test_usage_errors_exit_2(capsys, args, words):
+    base = ["load", "--url", "http://127.0.0.1:9/v1"]
+    code, out, err = cli(capsys, *base, *args)
+    assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_plot_draws_and_redraws_a_load_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tinyllm_cli.plot import load_figure, plot_saved, stats_kind
+
+    def one(rate):
+        recs = [RequestRecord(i, 0.1 * i, 0.1 * i + 0.001, 8, 4, 0.02, 0.01, 0.05, [0.01] * 3) for i in range(5)]
+        recs.append(RequestRecord(5, 0.5, 0.5, error="HTTP 429: busy"))
+        return {"request_rate": rate, "burstiness": 1.0, "max_concurrency": None,
+                "summary": summarize(recs, 1.0, {"ttft_s": 0.5}), "records": [r.to_json() for r in recs]}
+    report = {"kind": "load", "url": URL, "endpoint": "completions", "model": "m", "runs": [one("1"), one("inf")]}
+    saved = tmp_path / "load.json"
+    saved.write_text(json.dumps(report))
+    assert stats_kind(report) == "load"
+    assert plot_saved(saved, tmp_path / "load.svg") == "load"
+    svg = (tmp_path / "load.svg").read_text()
+    for gid in ("ttft_s/p99", "latency_s/p50", "goodput_req_per_s", "request/5/failed", "request/0/streaming"):
+        assert f'id="{gid}"' in svg
+    load_figure(report)
