@@ -19,17 +19,11 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import Interrupted, TinyLLMError, UsageError, shield
+from .version import package_version
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch generation and KV-cache experiments with small Llama-family models.")
 
-def package_version() -> str:
-    """The installed distribution's version; a source tree that was never installed has none."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("tinyllm")
-    except PackageNotFoundError:
-        return "unknown (not installed; pip install -e . records it)"
 
 
 def _print_version(value: bool) -> None:
@@ -225,6 +219,37 @@ def serve_batch(
         raise UsageError("--max-inflight must be a positive integer")
     raise typer.Exit(run_serve(cfg, input=input, output=output, request_rate=request_rate, max_inflight=max_inflight,
                                quiet=opts.quiet, stats_json=opts.stats_json, strict=strict))
+
+
+# ---- serve ---------------------------------------------------------------------------------
+
+@app.command()
+@shared("MODEL", "CACHE", "SCHEDULER", "SAMPLING", "SPECULATIVE", "CLUSTER", "quiet", "debug")
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback by default; another needs --api-key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, shown on stderr).")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(envvar="TINYLLM_API_KEY", show_envvar=True, help="Require 'Authorization: Bearer KEY' on every endpoint but /health.")] = None,
+    allow_no_auth: Annotated[bool, typer.Option("--allow-no-auth", help="Serve a non-loopback --host without an API key (anyone who can reach it can use it).")] = False,
+    max_waiting: Annotated[int, typer.Option(help="Most requests waiting to run; past it, new ones get 429 with Retry-After.")] = 256,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted (bytes); larger ones get 413.")] = 4 << 20,
+    drain_timeout: Annotated[float, typer.Option(help="On SIGTERM, seconds to let running requests finish before stopping.")] = 30.0,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The model name clients send and /v1/models lists (default: the model's).")] = None,
+    opts: Opts = None,
+):
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
+    from .commands.serve import require_serve, run_serve
+    require_serve()  # one sentence naming the install command, before the model loads
+    for flag, value in (("--max-waiting", max_waiting), ("--max-body-bytes", max_body_bytes)):
+        if value <= 0:
+            raise UsageError(f"{flag} must be a positive integer")
+    if drain_timeout < 0:
+        raise UsageError("--drain-timeout must be >= 0 seconds")
+    if not 0 <= port <= 65535:
+        raise UsageError("--port must be from 0 to 65535")
+    cfg = opts.config()
+    raise typer.Exit(run_serve(cfg, host=host, port=port, api_key=api_key, allow_no_auth=allow_no_auth,
+                               max_waiting=max_waiting, max_body_bytes=max_body_bytes, drain_timeout=drain_timeout,
+                               served_model_name=served_model_name, quiet=opts.quiet))
 
 
 # ---- bench ---------------------------------------------------------------------------------

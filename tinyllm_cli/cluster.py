@@ -21,6 +21,12 @@ Invariants:
   is answered with ``finish_reason: "error"``, so one bad request never takes the run down.
 - The model reaches workers through the object store (one ``ray.put`` of the checkpoint's
   config, weights and tokenizer): a worker never opens the checkpoint path.
+- Streaming requests (``Request.stream``): a worker replies after every step that gave one of
+  them new tokens, bringing the ``Delta``s along; the driver passes on only those of requests
+  it still holds, under the caller's id. A request retried elsewhere streams again from its
+  first token; each delta says where it starts, so the caller drops what it has seen.
+- ``abort`` drops a request the driver still holds: from the queue, or from its worker's
+  in-flight set (the worker drops it at the start of its next call; its blocks go back there).
 - A request's seed is fixed on the driver by ``request_seed`` (the run's seed and the request's
   id) before it is sent, as the in-process engine fixes it: outputs do not depend on which worker
   ran them, or in which order.
@@ -42,7 +48,7 @@ from dataclasses import dataclass, field
 from .config import Config
 from .engine.contract import Engine
 from .engine.dispatch import least_loaded
-from .engine.request import Request, RequestOutput, request_seed
+from .engine.request import Delta, Request, RequestOutput, request_seed
 from .engine.stats import SPEC_COUNTS, RunStats, spec_summary
 from .errors import TinyLLMError, UsageError
 from .runtime import Placement, Runtime, make_engine, runtime_from_checkpoint
@@ -106,13 +112,19 @@ class EngineWorker:
     def observed(self) -> list:
         return self.engine.observed()
 
-    def advance(self, new: list[Request], budget_s: float) -> list[RequestOutput]:
-        """Queue ``new``, then step until something finishes or ``budget_s`` has passed."""
+    def advance(self, new: list[Request], aborts: list, budget_s: float) -> tuple[list[RequestOutput], list[Delta], dict]:
+        """Drop ``aborts``, queue ``new``, then step until something finishes, a streaming
+        request has new tokens, or ``budget_s`` has passed. Returns the finished outputs, the
+        deltas and the engine's ``load()`` after the last step."""
+        for key in aborts:
+            self.engine.abort(key)
         done = [out for req in new if (out := self.engine.add_request(req)) is not None]
+        deltas: list[Delta] = []
         t_end = time.perf_counter() + budget_s
-        while not done and self.engine.has_unfinished() and time.perf_counter() < t_end:
+        while not done and not deltas and self.engine.has_unfinished() and time.perf_counter() < t_end:
             done += self.engine.step()
-        return done
+            deltas += self.engine.take_deltas()
+        return done, deltas, self.engine.load()
 
     def summary(self) -> dict:
         self.engine.stats.end = time.perf_counter()
@@ -220,6 +232,7 @@ class WorkerSlot:
     handle: object
     info: dict = field(default_factory=dict)
     inflight: dict = field(default_factory=dict)  # key -> Request sent, output not yet back
+    aborts: list = field(default_factory=list)  # keys aborted on the driver, to tell the worker
     call: object = None  # the outstanding advance() reference, if any
     starting: object = None  # a replacement's info() reference until it is up
     alive: bool = True
@@ -232,6 +245,7 @@ class WorkerSlot:
     output_tokens: int = 0
     handed_back: int = 0  # requests given to other workers after this one died
     summary: dict | None = None
+    load: dict = field(default_factory=dict)  # its engine's load() at its last reply
 
 
 class WorkerPool:
@@ -313,6 +327,7 @@ class WorkerPool:
             s.call = None
             s.requests = s.failed = s.prompt_tokens = s.output_tokens = s.handed_back = s.raised = 0
             s.summary = None
+            s.aborts = []
 
     def close(self) -> None:
         ray = self.conn.ray
@@ -342,6 +357,8 @@ class ClusterEngine(Engine):
         self.suspects: set[int] = set()  # keys aboard a worker that failed: they run alone
         self.blamed: dict[int, int] = {}  # key -> failures with it alone aboard
         self.tried: dict[int, set[int]] = {}  # key -> slots it failed on
+        self.keys: dict[object, int] = {}  # the caller's request id -> key, until its output arrives
+        self._deltas: list[Delta] = []
         self._key = 0
         self.reset_stats()
 
@@ -354,11 +371,37 @@ class ClusterEngine(Engine):
         req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=seed), arrival=None)
         self._key += 1
         self.requests[self._key] = req
+        self.keys[req.id] = self._key
         self.pending.append((self._key, req))
         return None
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def abort(self, request_id) -> bool:
+        key = self.keys.get(request_id)
+        if key is None or self._drop(key) is None:
+            return False
+        self.pending = deque(item for item in self.pending if item[0] != key)
+        for s in self.pool.slots:
+            if s.inflight.pop(key, None) is not None:
+                s.aborts.append(key)
+        self.stats.num_aborted += 1
+        return True
+
+    def take_deltas(self) -> list[Delta]:
+        out, self._deltas = self._deltas, []
+        return out
+
+    def load(self) -> dict:
+        """Each live worker's figures at its last reply, summed; the driver's own queue counts as
+        waiting, and the token counters are the driver's (outputs received)."""
+        loads = [s.load for s in self.pool.slots if s.alive and s.load]
+        out = {k: sum(x[k] for x in loads) for k in ("running", "waiting", "blocks_used", "blocks_free", "num_blocks",
+                                                    "preemptions", "prefix_cache_queries", "prefix_cache_hits")}
+        out["waiting"] += len(self.pending)
+        out["kv_usage"] = out["blocks_used"] / max(out["num_blocks"], 1)
+        return out | {"prompt_tokens": self.stats.prompt_tokens, "output_tokens": self.stats.output_tokens}
 
     def num_waiting(self) -> int:
         return len(self.pending)
@@ -415,8 +458,9 @@ class ClusterEngine(Engine):
             s.inflight[key] = req
             batches[s.index].append(dataclasses.replace(req, id=key))  # the key names it on the way back
         for s in idle:
-            if s.inflight:
-                s.call = s.handle.advance.remote(batches[s.index], REPLY_S)
+            if s.inflight or s.aborts:
+                s.call = s.handle.advance.remote(batches[s.index], s.aborts, REPLY_S)
+                s.aborts = []
 
     def _place(self, key: int, idle: list[WorkerSlot]) -> WorkerSlot | None:
         """The worker for queued request ``key``, or None while none has room for it."""
@@ -430,7 +474,7 @@ class ClusterEngine(Engine):
     def _collect(self, s: WorkerSlot, ref) -> list[RequestOutput]:
         s.call = None
         try:
-            outs = self.ray.get(ref)
+            outs, deltas, s.load = self.ray.get(ref)
         except self.ray.exceptions.RayTaskError as e:  # raised inside the worker, which lives on
             s.raised += 1
             s.error = _first_line(getattr(e, "cause", None) or e)
@@ -441,12 +485,15 @@ class ClusterEngine(Engine):
             done = self._hand_back(s)
             self.pool.replace(s)
             return done
+        for d in deltas:
+            req = s.inflight.get(d.id)
+            if req is not None:
+                self._deltas.append(dataclasses.replace(d, id=req.id))
         done = []
         for out in outs:
             req = s.inflight.pop(out.id, None)
-            if req is None or self.requests.pop(out.id, None) is None:
+            if req is None or self._drop(out.id) is None:
                 continue  # not ours any more: never accept an output twice
-            self._forget(out.id)
             out.id = req.id
             s.prompt_tokens += len(out.prompt_token_ids) if out.num_output_tokens else 0
             s.output_tokens += out.num_output_tokens  # every completion of an n > 1 request
@@ -458,6 +505,14 @@ class ClusterEngine(Engine):
         s.failed += out.finish_reason == "error"
         self.stats.record_request(out)
         return out
+
+    def _drop(self, key: int) -> Request | None:
+        """Stop holding request ``key`` (answered or aborted); None when it was not held."""
+        req = self.requests.pop(key, None)
+        if req is not None:
+            self.keys.pop(req.id, None)
+            self._forget(key)
+        return req
 
     def _forget(self, key: int) -> None:
         self.suspects.discard(key)
@@ -476,8 +531,7 @@ class ClusterEngine(Engine):
             if len(held) == 1:
                 self.blamed[key] = self.blamed.get(key, 0) + 1
             if self.blamed.get(key, 0) >= self.cfg.parallel.max_attempts:
-                self.requests.pop(key, None)
-                self._forget(key)
+                self._drop(key)
                 why = f"it failed on {len(self.tried.get(key, ())) or 1} worker(s), the last time with: {s.error}"
                 done.append(self._answer(s, RequestOutput.failed(req, why)))
                 continue

@@ -29,7 +29,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from .engine.request import Request, RequestOutput
+from .engine.request import Request, RequestOutput, SamplingParams
 from .io import RequestBuilder
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -119,10 +119,22 @@ def parse_request(lineno: int, rec: dict, builder: RequestBuilder, seen: set[str
         if body.get(key) is not None and not ok(body[key]):
             raise bad(f"'{key}': {why}")
     try:
-        over = {}
-        for key, field in BODY_SAMPLING.items():
-            if body.get(key) is not None:
-                over[field] = body[key]
+        prompts, params = parse_body(url, body, builder)
+        if len(prompts) != 1:
+            raise ValueError("'prompt' must be a string or a list of token ids (one prompt per request)")
+        (ids, prompt), = prompts
+    except (ValueError, TypeError) as e:
+        raise bad(str(e))
+    return Job(lineno, cid, url, Request(cid, ids, params, prompt, lineno), time.perf_counter())
+
+
+def parse_body(url: str, body: dict, builder: RequestBuilder) -> tuple[list[tuple[list[int], str | None]], SamplingParams]:
+    """An OpenAI request body -> its prompts as (token ids, text or None) and its sampling
+    params; ValueError with one sentence naming the bad field (OpenAI's names: ``max_tokens``).
+    ``/v1/completions`` takes a string, a list of ids, or a list of either (several prompts);
+    ``/v1/chat/completions`` takes ``messages``. Keys not listed in ``BODY_SAMPLING`` are ignored."""
+    try:
+        over = {field: body[key] for key, field in BODY_SAMPLING.items() if body.get(key) is not None}
         if isinstance(over.get("stop"), str):
             over["stop"] = [over["stop"]]
         if over.get("stop") and builder.tok is None:
@@ -131,23 +143,23 @@ def parse_request(lineno: int, rec: dict, builder: RequestBuilder, seen: set[str
         if url == CHAT:
             if "messages" not in body:
                 raise ValueError(f"{CHAT} needs 'messages'" + (" (not 'prompt')" if "prompt" in body else ""))
-            ids, prompt = builder.encode_messages(_flatten_messages(body["messages"])), None
-        else:
-            if "prompt" not in body:
-                raise ValueError(f"{COMPLETIONS} needs 'prompt'" + (" (not 'messages'; use "
-                                 f"{CHAT})" if "messages" in body else ""))
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one prompt
-            if isinstance(prompt, str):
-                ids = builder.tok.encode(prompt) if builder.tok is not None else _no_tokenizer()
-            elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                ids, prompt = list(prompt), None
-            else:
-                raise ValueError("'prompt' must be a string or a list of token ids (one prompt per request)")
+            return [(builder.encode_messages(_flatten_messages(body["messages"])), None)], params
+        if "prompt" not in body:
+            raise ValueError(f"{COMPLETIONS} needs 'prompt'" + (" (not 'messages'; use "
+                             f"{CHAT})" if "messages" in body else ""))
+        prompt = body["prompt"]
+        many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+        return [_one_prompt(p, builder) for p in (prompt if many else [prompt])], params
     except (ValueError, TypeError) as e:
-        raise bad(str(e).rstrip(".").replace("max_new_tokens", "max_tokens"))
-    return Job(lineno, cid, url, Request(cid, ids, params, prompt, lineno), time.perf_counter())
+        raise ValueError(str(e).rstrip(".").replace("max_new_tokens", "max_tokens")) from e
+
+
+def _one_prompt(prompt, builder: RequestBuilder) -> tuple[list[int], str | None]:
+    if isinstance(prompt, str):
+        return (builder.tok.encode(prompt) if builder.tok is not None else _no_tokenizer()), prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt), None
+    raise ValueError("'prompt' must be a string, a list of token ids, or a list of those")
 
 
 def _no_tokenizer():
@@ -177,7 +189,7 @@ def error_line(n: int, custom_id: str | None, code: str, message: str) -> str:
                        "error": {"code": code, "message": message}}, ensure_ascii=False) + "\n"
 
 
-def _chat_logprobs(entries: list[dict] | None) -> dict | None:
+def chat_logprobs(entries: list[dict] | None) -> dict | None:
     """Our per-token entries in the chat API's shape: ``{"content": [{token, logprob, bytes,
     top_logprobs}]}``."""
     if entries is None:
@@ -190,7 +202,7 @@ def _chat_logprobs(entries: list[dict] | None) -> dict | None:
     return {"content": [one(e) | {"top_logprobs": [one(a) for a in e["top_logprobs"]]} for e in entries]}
 
 
-def _completion_logprobs(entries: list[dict] | None) -> dict | None:
+def completion_logprobs(entries: list[dict] | None) -> dict | None:
     """Our per-token entries in the legacy completions shape: parallel ``tokens``,
     ``token_logprobs`` and ``top_logprobs`` (a {token: logprob} map per position)."""
     if entries is None:
@@ -199,14 +211,14 @@ def _completion_logprobs(entries: list[dict] | None) -> dict | None:
             "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} for e in entries]}
 
 
-def _choice(url: str, c, prompt_logprobs) -> dict:
+def choice_json(url: str, c, prompt_logprobs) -> dict:
     # OpenAI's reasons are stop / length: a cut-short constrained output is "length" there.
     reason = "length" if c.finish_reason in ("error", "constraint_unfinished") else c.finish_reason
     if url == CHAT:
         choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": _chat_logprobs(c.logprobs), "finish_reason": reason}
+                  "logprobs": chat_logprobs(c.logprobs), "finish_reason": reason}
     else:
-        choice = {"index": c.index, "text": c.text, "logprobs": _completion_logprobs(c.logprobs),
+        choice = {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs),
                   "finish_reason": reason}
     if c.text is None:  # no tokenizer: the ids are the only form of the answer
         choice["token_ids"] = c.token_ids
@@ -219,7 +231,7 @@ def response_line(job: Job, out: RequestOutput, model: str) -> str:
     usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": out.num_output_tokens,
              "total_tokens": len(out.prompt_token_ids) + out.num_output_tokens}
     created = int(time.time())
-    choices = [_choice(job.url, c, out.prompt_logprobs) for c in out.completions]
+    choices = [choice_json(job.url, c, out.prompt_logprobs) for c in out.completions]
     if job.url == CHAT:
         body = {"id": f"chatcmpl-{job.n}", "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": usage}

@@ -6,6 +6,12 @@
 - ``add_request(req)``: queue it; returns an error output instead when it can never run.
 - ``step()``: advance; returns the outputs of the requests that finished in this step.
 - ``has_unfinished()``: whether anything queued or running is not finished yet.
+- ``abort(id)``: drop an unfinished request between steps (its blocks are freed; no output).
+- ``take_deltas()``: the new tokens of requests added with ``stream=True`` since the last call
+  (``Delta``s, each saying where in its completion it starts); finished outputs still come
+  from ``step``.
+- ``load()``: what the engine holds now (requests running and waiting, KV blocks used and free,
+  and the run's counters), for a server's metrics.
 - ``run(requests)``: feed lazily and yield outputs as they finish (written here, once).
 - ``stats``: the run's ``RunStats``; ``reset_stats()`` starts a new run on the same engine.
 - ``add_observer(obs)`` / ``observed()``: watch every step from inside the engine (on a
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from .request import Request, RequestOutput
+from .request import Delta, Request, RequestOutput
 from .stats import RunStats
 
 
@@ -37,6 +43,15 @@ class Engine:
         raise NotImplementedError
 
     def has_unfinished(self) -> bool:
+        raise NotImplementedError
+
+    def abort(self, request_id) -> bool:
+        raise NotImplementedError
+
+    def take_deltas(self) -> list[Delta]:
+        raise NotImplementedError
+
+    def load(self) -> dict:
         raise NotImplementedError
 
     def num_waiting(self) -> int:

@@ -28,6 +28,10 @@ Invariants:
   accepted drafts and the next token are appended one by one with the usual stop checks; the
   cache then rolls back to the stored tokens that were accepted (``truncate``). With
   speculation off the step is what it was: no drafting, no verify rows.
+- Streaming (``Request.stream``): every step that appends tokens to such a request's sequence
+  also records a ``Delta`` with just those tokens (``take_deltas``); nothing else changes.
+- ``abort(id)`` runs between steps: the request's sequences leave the queue or the batch and
+  their blocks go back to the pool at once; it produces no output.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from ..model.tokenizer import Tokenizer
 from ..transfer import to_device
 from . import constraints, sampler
 from .contract import Engine
-from .request import Completion, Group, Request, RequestOutput, Sequence, Status, fork_seed, request_seed
+from .request import Completion, Delta, Group, Request, RequestOutput, Sequence, Status, fork_seed, request_seed
 from .scheduler import Plan, Scheduler
 from .speculative import Speculation, accepted_prefix, can_speculate
 from .stats import RunStats, StepRecord
@@ -81,6 +85,7 @@ class LLMEngine(Engine):
         self._step = 0
         self._token_text: dict[int, str | None] = {}
         self.observers: list = []
+        self._deltas: list[Delta] = []  # streaming requests' new tokens, until ``take_deltas``
         self._mask_pool = None  # a thread that fills grammar masks during the forward pass
         # Fill grammar masks on a thread during the forward pass only where the forward leaves the
         # CPU idle (a GPU): on the CPU the thread competes with the forward's own threads
@@ -151,6 +156,8 @@ class LLMEngine(Engine):
         if n > self.scheduler.max_num_seqs:
             return (f"n = {n} completions run as {n} sequences at once but max_num_seqs is "
                     f"{self.scheduler.max_num_seqs}; lower n or raise --max-num-seqs")
+        if req.whole:
+            return self._check_whole(len(ids), req.params)
         if not self.cache.fits_alone(len(ids) + 1, n - 1):
             what = "slots" if self.cache.kind == "slot" else "KV blocks"
             need = self.cache.blocks_for(len(ids) + 1) + n - 1
@@ -159,8 +166,56 @@ class LLMEngine(Engine):
                     + (" or lower n" if n > 1 else ""))
         return None
 
+    def _check_whole(self, n_prompt: int, p) -> str | None:
+        """Why a ``Request.whole`` request could never run to ``max_new_tokens``, or None."""
+        total = n_prompt + p.max_new_tokens
+        if total > self.max_model_len:
+            return (f"the prompt ({n_prompt} tokens) plus max_tokens ({p.max_new_tokens}) is {total} tokens, "
+                    f"over max_model_len {self.max_model_len}")
+        if not self.cache.fits_alone(total, p.n - 1):
+            need = self.cache.blocks_for(total) + p.n - 1
+            what = "slots" if self.cache.kind == "slot" else "KV blocks"
+            return (f"the prompt plus max_tokens needs {need} {what}" + (f" for n = {p.n}" if p.n > 1 else "")
+                    + f" but the whole pool has {self.cache.num_blocks}")
+        return None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def abort(self, request_id) -> bool:
+        """Drop request ``request_id`` now (between steps): its sequences leave the waiting queue
+        or the running batch, their blocks go back to the pool, and no output is produced.
+        False when no unfinished request has that id."""
+        sched = self.scheduler
+        seqs = [s for s in list(sched.waiting) + sched.running if s.request.id == request_id]
+        if not seqs:
+            return False
+        for s in seqs:
+            if s in sched.running:
+                sched.finish(s)  # frees its blocks (shared ones when the last reference goes)
+            else:
+                sched.waiting.remove(s)
+            for f in [s] + s.pending:
+                f.status, f.group = Status.FINISHED, None
+            s.pending = []
+        self.stats.num_aborted += 1
+        return True
+
+    def load(self) -> dict:
+        """The figures a server's metrics show (see ``contract``): the same scheduler, cache and
+        ``RunStats`` figures the run table reads."""
+        c, st = self.cache, self.stats
+        u = c.usage()
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "blocks_used": u.blocks_used, "blocks_free": u.blocks_free, "num_blocks": c.num_blocks,
+                "kv_usage": u.blocks_used / max(c.num_blocks, 1), "preemptions": st.preemptions,
+                "prefix_cache_queries": getattr(c, "prefix_queries", 0), "prefix_cache_hits": getattr(c, "prefix_hits", 0),
+                "prompt_tokens": st.prompt_tokens, "output_tokens": st.output_tokens}
+
+    def take_deltas(self) -> list[Delta]:
+        """The streaming requests' new tokens since the last call, in step order."""
+        out, self._deltas = self._deltas, []
+        return out
 
     def close(self) -> None:
         """Stop the grammar-mask threads and hand the KV pools to the next engine (the cache's
@@ -242,9 +297,23 @@ class LLMEngine(Engine):
                 self.stats.spec_emitted_tokens += 1
                 if self._end_if(self._append(s, tok), s, done):
                     break
+        for s in samplers + [s for s, _ in emits]:
+            if s.request.stream:
+                self._report(s)
         clock["postprocess"] += time.perf_counter() - t4
         self._record(plan, forward_s, usage, running, work)
         return done
+
+    def _report(self, s: Sequence) -> None:
+        """A streaming sequence's tokens not handed out yet, as one ``Delta``."""
+        new = s.output_ids[s.reported:]
+        if not new:
+            return
+        lps = None if s.logprobs is None else [self._logprob_json(e) for e in s.logprobs[s.reported:]]
+        done = s.status is Status.FINISHED
+        self._deltas.append(Delta(s.request.id, s.fork, s.reported, new, lps, s.finish_reason if done else None,
+                                  s.text if done and s.stream is not None else None))
+        s.reported += len(new)
 
     def _end_if(self, reason: str | None, s: Sequence, done: list) -> bool:
         """Finish ``s`` when ``_append`` gave a reason (its output joins ``done`` once complete)."""

@@ -211,6 +211,32 @@ class Request:
     # count from it, so a caller that holds requests until a step boundary (serve-batch) still
     # counts the wait for the step in flight. Meaningful only in the process that set it.
     arrival: float | None = None
+    # Report each step's new tokens as ``Delta``s (``Engine.take_deltas``), for a caller that
+    # streams text as it is generated (``tinyllm serve``); the output at the end is unchanged.
+    stream: bool = False
+    # Refuse it up front when prompt + max_new_tokens could never fit (max_model_len, or the
+    # whole KV pool alone), instead of cutting it short later: a server answers 400 before it
+    # streams anything, as vLLM's does. Off: ``generate`` stops such a request at the limit.
+    whole: bool = False
+
+
+@dataclass
+class Delta:
+    """New tokens of one completion of a streaming request, since its previous delta.
+
+    ``start`` is the position of ``token_ids[0]`` in the completion's output, so a consumer can
+    drop what it has already seen (a request retried on another worker regenerates the same
+    tokens from the start: its seed fixes them)."""
+
+    id: object  # the request's id
+    index: int  # the completion (fork) index
+    start: int
+    token_ids: list[int]
+    logprobs: list | None = None  # JSON-ready entries for these tokens, when the request asked
+    # Set on the completion's last delta (its sequence finished in this step): why, and its final
+    # text when a stop string cut it (the text a consumer decoded from the ids runs past it).
+    finish_reason: str | None = None
+    text: str | None = None
 
 
 class Status(enum.Enum):
@@ -246,6 +272,7 @@ class Sequence:
     grammar: object = None  # constraints.GrammarState of a constrained request (one per fork)
     logprobs: list | None = None  # per output token: (logprob, [(alt id, alt logprob), ...])
     draft_state: object = None  # speculative decoding: the n-gram drafter's index of these tokens
+    reported: int = 0  # output tokens already handed out in deltas (streaming requests)
 
     @property
     def num_tokens(self) -> int:

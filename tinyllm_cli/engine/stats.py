@@ -262,6 +262,7 @@ class RunStats:
     end: float | None = None
     num_requests: int = 0
     num_failed: int = 0
+    num_aborted: int = 0  # dropped by ``abort`` (a client that went away): no output
     prompt_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
@@ -316,7 +317,7 @@ class RunStats:
         t = self.totals
         n = t.used_steps
         return {
-            "num_requests": self.num_requests, "num_failed": self.num_failed,
+            "num_requests": self.num_requests, "num_failed": self.num_failed, "num_aborted": self.num_aborted,
             "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
             "elapsed_s": round(el, 4),
             "output_tokens_per_s": round(self.output_tokens / el, 2),

@@ -1,0 +1,40 @@
+"""uvicorn's server with ``tinyllm serve``'s signal rules."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+import uvicorn
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with our signal rules: the first SIGINT/SIGTERM drains, a second SIGINT
+    exits at once, and the signal is not raised again afterwards (the command chooses the exit
+    code)."""
+
+    def __init__(self, config, on_first_signal):
+        super().__init__(config)
+        self.signals: list[int] = []
+        self.on_first_signal = on_first_signal
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame) -> None:
+        self.signals.append(sig)
+        if not self.should_exit:
+            self.on_first_signal()
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
