@@ -7,7 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import queue
+import signal
 import statistics
+import subprocess
+import sys
+import threading
 
 import httpx
 import pytest
@@ -16,7 +21,7 @@ from tinyllm_cli.cli import main
 from tinyllm_cli.loadgen import metrics
 from tinyllm_cli.loadgen.records import RequestRecord, parse_goodput, percentiles, summarize
 from tinyllm_cli.loadgen.run import GONE, Target, new_client, run_rate
-from tinyllm_cli.loadgen.schedule import Workload, plan, send_times
+from tinyllm_cli.loadgen.schedule import Prompts, Workload, plan, send_times
 from tinyllm_cli.traces import generate_trace
 
 URL = "http://load.test/v1"
@@ -33,7 +38,8 @@ def cli(capsys, *args):
 
 @pytest.mark.parametrize("rate,burstiness", [(4.0, 1.0), (25.0, 1.0), (10.0, 0.5), (10.0, 3.0)])
 def test_mean_gap_is_one_over_the_rate(rate, burstiness):
-    times = [p.at_s for p in plan(Workload(), rate, burstiness, seed=3, num_requests=2001, duration_s=None)]
+    planned = plan(Prompts(Workload()), rate, burstiness, seed=3, num_requests=2001, duration_s=None)
+    times = [p.at_s for p in planned]
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert len(gaps) == 2000 and times[0] == 0.0
     assert abs(statistics.fmean(gaps) - 1 / rate) <= 0.05 / rate
@@ -42,26 +48,31 @@ def test_mean_gap_is_one_over_the_rate(rate, burstiness):
 
 
 def test_same_seed_same_schedule_and_prompts_other_seed_other_times():
-    a = list(plan(Workload(), 5.0, 1.0, seed=1, num_requests=50, duration_s=None))
-    b = list(plan(Workload(), 5.0, 1.0, seed=1, num_requests=50, duration_s=None))
-    c = list(plan(Workload(), 5.0, 1.0, seed=2, num_requests=50, duration_s=None))
+    a = list(plan(Prompts(Workload()), 5.0, 1.0, seed=1, num_requests=50, duration_s=None))
+    b = list(plan(Prompts(Workload()), 5.0, 1.0, seed=1, num_requests=50, duration_s=None))
+    c = list(plan(Prompts(Workload()), 5.0, 1.0, seed=2, num_requests=50, duration_s=None))
     assert [(p.at_s, p.prompt, p.output_len) for p in a] == [(p.at_s, p.prompt, p.output_len) for p in b]
     assert [p.at_s for p in a] != [p.at_s for p in c]
     assert [p.prompt for p in a] == [p.prompt for p in c]  # prompts follow --workload-seed alone
-    other = list(plan(Workload(seed=9), 5.0, 1.0, seed=1, num_requests=50, duration_s=None))
+    other = list(plan(Prompts(Workload(seed=9)), 5.0, 1.0, seed=1, num_requests=50, duration_s=None))
     assert [p.prompt for p in a] != [p.prompt for p in other]
 
 
-def test_every_rate_sends_the_same_prompts_and_inf_sends_all_at_once():
-    slow = list(plan(Workload(), 2.0, 1.0, seed=0, num_requests=20, duration_s=None))
-    burst = list(plan(Workload(), math.inf, 1.0, seed=0, num_requests=20, duration_s=None))
-    assert [p.prompt for p in slow] == [p.prompt for p in burst]
-    assert all(p.at_s == 0.0 for p in burst)
+def test_a_sweep_sends_new_prompts_at_each_rate_reproducibly_and_inf_all_at_once():
+    def sweep():
+        prompts = Prompts(Workload(prefix_len=6, num_prefixes=2))
+        return [list(plan(prompts, r, 1.0, seed=0, num_requests=20, duration_s=None)) for r in (2.0, math.inf)]
+    slow, burst = sweep()
+    assert all(p.at_s == 0.0 for p in burst) and slow[-1].at_s > 0
+    assert [p.prompt for run in sweep() for p in run] == [p.prompt for p in slow + burst]  # reproducible
+    unique = {tuple(p.prompt[6:]) for p in slow + burst}  # past the shared prefix, no two alike
+    assert len(unique) == 40
+    assert {tuple(p.prompt[:6]) for p in slow + burst} == {tuple(p.prompt[:6]) for p in slow}  # same groups
 
 
 def test_random_workload_is_simulates():
     w = Workload(input_len=40, output_len=12, range_ratio=0.5, prefix_len=8, num_prefixes=2, vocab_size=1000, seed=5)
-    got = list(plan(w, 1.0, 1.0, seed=0, num_requests=30, duration_s=None))
+    got = list(plan(Prompts(w), 1.0, 1.0, seed=0, num_requests=30, duration_s=None))
     want = list(generate_trace(30, 40, 12, range_ratio=0.5, prefix_len=8, num_prefixes=2, seed=5))
     assert [len(p.prompt) for p in got] == [it.prompt_len for it in want]
     assert [p.output_len for p in got] == [it.output_len for it in want]
@@ -87,16 +98,16 @@ def test_trace_keeps_its_times_scaled_or_takes_a_rate(tmp_path):
     trace.write_text("".join(json.dumps({"arrival_s": 0.5 * i, "prompt_len": 5 + i, "output_len": 3}) + "\n"
                              for i in range(6)))
     w = Workload(trace=str(trace), vocab_size=500)
-    own = list(plan(w, None, 1.0, seed=0, num_requests=None, duration_s=None, time_scale=2.0))
+    own = list(plan(Prompts(w), None, 1.0, seed=0, num_requests=None, duration_s=None, time_scale=2.0))
     assert [p.at_s for p in own] == [1.0 * i for i in range(6)]
     assert [len(p.prompt) for p in own] == [5 + i for i in range(6)]
-    paced = list(plan(w, 10.0, 1.0, seed=0, num_requests=None, duration_s=None))
+    paced = list(plan(Prompts(w), 10.0, 1.0, seed=0, num_requests=None, duration_s=None))
     assert [p.at_s for p in paced] == list(x for _, x in zip(range(6), send_times(10.0, 1.0, 0)))
-    assert [p.at_s for p in plan(w, None, 1.0, seed=0, num_requests=None, duration_s=1.2)] == [0.0, 0.5, 1.0]
+    assert [p.at_s for p in plan(Prompts(w), None, 1.0, seed=0, num_requests=None, duration_s=1.2)] == [0.0, 0.5, 1.0]
 
 
 def test_duration_bounds_the_schedule():
-    got = [p.at_s for p in plan(Workload(), 50.0, 1.0, seed=0, num_requests=None, duration_s=2.0)]
+    got = [p.at_s for p in plan(Prompts(Workload()), 50.0, 1.0, seed=0, num_requests=None, duration_s=2.0)]
     assert got and max(got) < 2.0 and 60 < len(got) < 140
 
 
@@ -122,7 +133,7 @@ def run(handler, planned, *, slo=None, concurrency=None, server_metrics=False):
 
 
 def schedule(n, rate=200.0, output_len=4):
-    return plan(Workload(output_len=output_len, input_len=8, vocab_size=100), rate, 1.0, seed=0,
+    return plan(Prompts(Workload(output_len=output_len, input_len=8, vocab_size=100)), rate, 1.0, seed=0,
                 num_requests=n, duration_s=None)
 
 
@@ -379,3 +390,126 @@ def test_plot_draws_and_redraws_a_load_json(tmp_path):
     for gid in ("ttft_s/p99", "latency_s/p50", "goodput_req_per_s", "request/5/failed", "request/0/streaming"):
         assert f'id="{gid}"' in svg
     load_figure(report)
+
+
+# ---- live, against a real tinyllm serve ---------------------------------------------------------
+
+class Server:
+    """``tinyllm serve`` on the default model in a child process, on a free port of 127.0.0.1."""
+
+    def __init__(self, *args: str):
+        self.p = subprocess.Popen([sys.executable, "-m", "tinyllm_cli", "serve", "--port", "0", "--quiet", *args],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.url = self._wait_for_url(timeout=600)  # printed once the model is loaded
+        self.root = self.url.removesuffix("/v1")
+        assert httpx.get(self.root + "/health", timeout=60).status_code == 200
+
+    def _pump(self):
+        for line in self.p.stderr:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def _wait_for_url(self, timeout: float) -> str:
+        while True:
+            line = self.lines.get(timeout=timeout)
+            if line is None:
+                raise RuntimeError(f"tinyllm serve exited with {self.p.wait()} before serving")
+            if line.startswith("tinyllm serve:"):
+                return line.split(" on ")[1].split()[0]
+
+    def metric(self, name: str) -> float:
+        return metrics.parse(httpx.get(self.root + "/metrics", timeout=60).text).get(name, 0.0)
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+def load_cli(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tinyllm_cli", "load", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_live_sweep_goodput_from_records_and_the_servers_own_counts(server, tmp_path):
+    out_json = tmp_path / "load.json"
+    before = server.metric("vllm:generation_tokens_total")
+    r = load_cli("--url", server.url, "--request-rate", "4,inf", "--num-requests", 8, "--input-len", 32,
+                 "--output-len", 12, "--goodput", "ttft:400 tpot:60", "--server-metrics", "--json", out_json)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and "rate sweep" in r.stderr
+    report = json.loads(out_json.read_text())
+    assert [run["request_rate"] for run in report["runs"]] == ["4", "inf"]
+    sent_tokens = 0
+    prompts = Prompts(Workload(input_len=32, output_len=12))  # the sweep's own, drawn again
+    for run, rate in zip(report["runs"], (4.0, math.inf)):
+        s, recs = run["summary"], run["records"]
+        planned = list(plan(prompts, rate, 1.0, seed=0, num_requests=8, duration_s=None))
+        assert [(x["scheduled_s"], x["prompt_tokens"], x["output_tokens"]) for x in recs] == \
+            [(p.at_s, p.prompt_len, p.output_len) for p in planned]  # as the server counted them
+        assert s["num_requests"] == 8 and s["num_failed"] == 0
+        good = sum(1 for x in recs if x["error"] is None and x["ttft_s"] <= 0.4
+                   and (x["tpot_s"] is None or x["tpot_s"] <= 0.06))
+        assert s["slo"]["num_good"] == good
+        assert s["slo"]["goodput_req_per_s"] == round(good / s["elapsed_s"], 4)
+        assert s["ttft_s"] == percentiles([x["ttft_s"] for x in recs])
+        assert all(len(x["itl_s"]) <= x["output_tokens"] - 1 for x in recs)
+        assert s["server"]["server_generation_tokens"] == s["output_tokens"]
+        assert s["server"]["server_prompt_tokens"] == s["prompt_tokens"]
+        sent_tokens += s["output_tokens"]
+    assert server.metric("vllm:generation_tokens_total") - before == sent_tokens
+    burst = report["runs"][1]["records"]
+    assert max(x["sent_s"] for x in burst) < min(x["sent_s"] + x["latency_s"] for x in burst)  # open loop
+
+
+def test_live_failed_requests_are_counted(server, tmp_path):
+    """Requests that can never fit (over max_model_len) are refused by the server; the run goes on."""
+    trace = tmp_path / "t.jsonl"
+    lines = [{"arrival_s": 0.05 * i, "prompt_len": 16, "output_len": 100000 if i % 3 == 0 else 8} for i in range(9)]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out_json = tmp_path / "load.json"
+    r = load_cli("--url", server.url, "--trace", trace, "--json", out_json)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out_json.read_text())["runs"][0]["summary"]
+    assert s["num_requests"] == 9 and s["num_failed"] == 3 and s["num_completed"] == 6
+    assert all(k.startswith("HTTP 400") for k in s["errors"])
+    assert s["output_tokens"] == 6 * 8
+
+
+def test_live_server_that_goes_away_mid_run(tmp_path):
+    victim = Server()
+    out_json = tmp_path / "load.json"
+    try:
+        args = ["--url", victim.url, "--request-rate", "3", "--num-requests", "200", "--input-len", "16",
+                "--output-len", "16", "--json", out_json]
+        load = subprocess.Popen([sys.executable, "-m", "tinyllm_cli", "load", *map(str, args)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(600):  # until a few requests have finished (bounded: 10 minutes)
+            if victim.metric("vllm:generation_tokens_total") >= 32:
+                break
+            threading.Event().wait(1.0)
+        victim.p.kill()
+        out, err = load.communicate(timeout=300)
+    finally:
+        victim.p.kill()
+        victim.p.wait()
+    assert load.returncode == 1 and out == ""
+    errors = [ln for ln in err.splitlines() if ln.startswith("error")]  # after the partial rate's table
+    assert errors == [err.strip().splitlines()[-1]] and "went away after" in errors[0] and str(out_json) in errors[0]
+    run = json.loads(out_json.read_text())["runs"][0]
+    s = run["summary"]
+    assert s["num_completed"] >= 2 and s["num_requests"] < 200
+    assert s["num_failed"] == sum(1 for x in run["records"] if x["error"] is not None) >= 1

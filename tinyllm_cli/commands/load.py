@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import TinyLLMError, UsageError
 from ..loadgen.client import ServerGone, first_model
 from ..loadgen.run import RateResult, Target, new_client, run_rate
-from ..loadgen.schedule import Workload, plan
+from ..loadgen.schedule import Prompts, Workload, plan
 from ..report import load_rate_table, load_sweep_table, stderr_console
 
 
@@ -117,8 +117,9 @@ async def _sweep(spec: LoadSpec, report: dict, json_out: Path | None, console) -
         report["model"] = model
         target = Target(spec.url, model, spec.chat, spec.api_key, spec.max_concurrency, spec.server_metrics,
                         spec.slo)
+        prompts = Prompts(spec.workload)
         for rate in spec.rates:
-            res = await _one_rate(client, target, spec, rate, console)
+            res = await _one_rate(client, target, spec, prompts, rate, console)
             report["runs"].append(_run_entry(rate, spec, res))
             write_report(report, json_out)  # each finished rate is on disk before the next starts
             if console:
@@ -130,8 +131,8 @@ async def _sweep(spec: LoadSpec, report: dict, json_out: Path | None, console) -
                                    f"({res.gone}){kept}")
 
 
-async def _one_rate(client, target: Target, spec: LoadSpec, rate, console) -> RateResult:
-    planned = plan(spec.workload, rate, spec.burstiness, spec.seed, spec.num_requests, spec.duration_s,
+async def _one_rate(client, target: Target, spec: LoadSpec, prompts: Prompts, rate, console) -> RateResult:
+    planned = plan(prompts, rate, spec.burstiness, spec.seed, spec.num_requests, spec.duration_s,
                    spec.time_scale)
     if console is None:
         return await run_rate(client, target, planned)

@@ -6,8 +6,8 @@ completion, so the times are the load *offered*, whatever the server makes of it
 
 Invariants:
 - Seeded: the same seeds give the same send times (``seed``) and the same prompts
-  (``Workload.seed``, as bench's and simulate's ``--workload-seed``). The two come from separate
-  generators, so every rate of a sweep sends the same prompts in the same order.
+  (``Workload.seed``, as bench's and simulate's ``--workload-seed``), run after run of a sweep.
+  The two come from separate generators: the times of one rate do not move its prompts.
 - Send times: the first request at 0, then gaps drawn as vLLM's bench draws them, gamma with
   shape ``burstiness`` and mean 1/rate; shape 1 is Poisson, drawn exactly as serve-batch's
   ``--request-rate`` and ``simulate --trace --request-rate`` draw theirs (``expovariate`` on
@@ -15,7 +15,9 @@ Invariants:
   sends everything at 0.
 - Prompts of the random workload are ``simulate``'s (``traces.generate_trace`` lengths,
   ``traces.TokenMaker`` ids above the special tokens), token ids sent with ``ignore_eos`` so each
-  request produces exactly its output length; a trace's prompts are made the same way.
+  request produces exactly its output length; a trace's prompts are made the same way. A sweep
+  draws them once (``Prompts``): each rate sends new ones, so no rate meets a prefix cache
+  warmed by the one before.
 """
 
 from __future__ import annotations
@@ -77,14 +79,6 @@ class Workload:
     seed: int = 0  # the random workload's (--workload-seed)
 
 
-def random_prompts(w: Workload) -> Iterator[tuple[list[int], int]]:
-    """Endless (prompt ids, output length) of the random workload; the same for the same seed."""
-    items = generate_trace(2**62, w.input_len, w.output_len, range_ratio=w.range_ratio,
-                           prefix_len=w.prefix_len, num_prefixes=w.num_prefixes, seed=w.seed)
-    maker = TokenMaker(w.vocab_size)
-    return ((maker.tokens(it), it.output_len) for it in items)
-
-
 def read_prompts_file(path: str) -> list[str | list]:
     """Prompts of a .txt (one per line) or .jsonl file (``prompt``: text or token ids, or
     ``messages``); every other field is ignored. A bad line is one sentence."""
@@ -130,24 +124,42 @@ def _file_prompts(w: Workload) -> Iterator[Planned]:
             yield Planned(i, 0.0, p, w.output_len, prompt_len=len(p) if isinstance(p, list) else None)
 
 
-def plan(w: Workload, rate: float, burstiness: float, seed: int, num_requests: int | None,
+class Prompts:
+    """A sweep's prompts, drawn once: each rate takes the next ones from the same seeded stream,
+    so no two requests of a sweep share more than the workload means them to (a shared prefix
+    group) and a server's prefix cache finds nothing left over from an earlier rate. A trace is
+    sent whole at every rate, its unique tokens new each time; a prompts file is sent from its
+    first line at every rate (text repeats: a prefix-caching server will hit)."""
+
+    def __init__(self, w: Workload):
+        self.w = w
+        self.maker = TokenMaker(w.vocab_size)
+        self.stream = None
+
+    def next_run(self, time_scale: float = 1.0) -> Iterator[Planned]:
+        """The requests of the next run, unscheduled (a trace's carry its own times)."""
+        w = self.w
+        if w.trace is not None:
+            return (Planned(i, 0.0 if it.arrival_s is None else it.arrival_s * time_scale, ids, it.output_len,
+                            prompt_len=len(ids))
+                    for i, it in enumerate(read_trace(w.trace)) for ids in (self.maker.tokens(it),))
+        if w.prompts_file is not None:
+            return _file_prompts(w)
+        if self.stream is None:
+            self.stream = generate_trace(2**62, w.input_len, w.output_len, range_ratio=w.range_ratio,
+                                         prefix_len=w.prefix_len, num_prefixes=w.num_prefixes, seed=w.seed)
+        return (Planned(i, 0.0, ids, it.output_len, prompt_len=len(ids))
+                for i, it in enumerate(self.stream) for ids in (self.maker.tokens(it),))
+
+
+def plan(prompts: Prompts, rate: float | None, burstiness: float, seed: int, num_requests: int | None,
          duration_s: float | None, time_scale: float = 1.0) -> Iterator[Planned]:
     """The schedule of one rate: ``num_requests`` requests, or as many as are due within
-    ``duration_s``. A trace without ``rate`` keeps its own ``arrival_s`` (times ``time_scale``;
-    a line without one is sent at 0)."""
-    if w.trace is not None:
-        items = read_trace(w.trace)
-        maker = TokenMaker(w.vocab_size)
-        reqs = (Planned(i, 0.0 if it.arrival_s is None else it.arrival_s * time_scale, ids, it.output_len,
-                        prompt_len=len(ids))
-                for i, it in enumerate(items) for ids in (maker.tokens(it),))
-        if rate is None:
-            return _bounded(reqs, num_requests, duration_s)
-    elif w.prompts_file is not None:
-        reqs = _file_prompts(w)
-    else:
-        reqs = (Planned(i, 0.0, ids, out, prompt_len=len(ids))
-                for i, (ids, out) in enumerate(random_prompts(w)))
+    ``duration_s``. ``rate`` None: a trace's own ``arrival_s`` (times ``time_scale``; a line
+    without one is sent at 0)."""
+    reqs = prompts.next_run(time_scale)
+    if rate is None:
+        return _bounded(reqs, num_requests, duration_s)
     timed = (_at(p, t) for p, t in zip(reqs, send_times(rate, burstiness, seed)))
     return _bounded(timed, num_requests, duration_s)
 
