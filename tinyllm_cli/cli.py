@@ -363,7 +363,7 @@ def load(
     time_scale: Annotated[float, typer.Option("--time-scale", help="Multiply a trace's arrival times (0.5 replays it twice as fast).")] = 1.0,
     prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompts file instead of random tokens: .txt (one per line) or .jsonl ('prompt' or 'messages').")] = None,
     input_len: Annotated[int, typer.Option(help="Random workload: mean prompt length in tokens.")] = 128,
-    output_len: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 64,
+    output_len: Annotated[int, typer.Option(help="Tokens generated per request, EOS ignored (random workload: the mean).")] = 64,
     range_ratio: Annotated[float, typer.Option(help="Random workload: lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
     prefix_len: Annotated[int, typer.Option(help="Random workload: shared-prefix tokens per prompt.")] = 0,
     num_prefixes: Annotated[int, typer.Option(help="Random workload: distinct shared prefixes.")] = 1,
