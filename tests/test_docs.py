@@ -200,7 +200,7 @@ def shell_commands(path: Path | str) -> list[Command]:
 ROOT_CMD = typer.main.get_command(cli_module.app)
 FUNCTIONS = {"generate": cli_module.generate, "serve-batch": cli_module.serve_batch, "bench": cli_module.bench,
              "inspect-blocks": cli_module.inspect_blocks, "plot": cli_module.plot_command,
-             "simulate": cli_module.simulate}
+             "simulate": cli_module.simulate, "load": cli_module.load, "serve": cli_module.serve}
 
 
 def own_params(name: str) -> set[str]:
