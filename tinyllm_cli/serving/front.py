@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections import deque
@@ -126,9 +127,9 @@ class EngineFront:
                 self._deliver(self.engine.take_deltas(), done)
                 if self.on_step is not None:
                     self.on_step(self.engine)
-        except BaseException as e:  # the engine broke: every open request learns why, none hangs
+        except Exception as e:  # the engine broke: every open request learns why, none hangs
             self.error = f"the engine stopped: {type(e).__name__}: {e}"
-            raise
+            print(f"tinyllm serve: {self.error}; /health now answers 503", file=sys.stderr, flush=True)
         finally:
             why = self.error or "the server stopped before the request finished"
             self._take_inbox()
