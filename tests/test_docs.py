@@ -198,9 +198,9 @@ def shell_commands(path: Path | str) -> list[Command]:
 # ---- checking a tinyllm command line without running it ---------------------------------------
 
 ROOT_CMD = typer.main.get_command(cli_module.app)
-FUNCTIONS = {"generate": cli_module.generate, "serve-batch": cli_module.serve_batch, "bench": cli_module.bench,
-             "inspect-blocks": cli_module.inspect_blocks, "plot": cli_module.plot_command,
-             "simulate": cli_module.simulate, "load": cli_module.load, "serve": cli_module.serve}
+FUNCTIONS = {"generate": cli_module.generate, "serve": cli_module.serve, "serve-batch": cli_module.serve_batch,
+             "bench": cli_module.bench, "inspect-blocks": cli_module.inspect_blocks, "plot": cli_module.plot_command,
+             "simulate": cli_module.simulate, "load": cli_module.load}
 
 
 def own_params(name: str) -> set[str]:

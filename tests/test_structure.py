@@ -19,7 +19,15 @@ FORBIDDEN = {
     "tinyllm_cli.cluster": ("tinyllm_cli.llm",),
     "tinyllm_cli.runtime": ("tinyllm_cli.llm", "tinyllm_cli.cluster"),
     "tinyllm_cli.report": ("tinyllm_cli.llm", "tinyllm_cli.engine", "tinyllm_cli.cluster"),
+    # The server is a client of the engine contract: it is handed an engine, never builds one.
+    "tinyllm_cli.serving": ("tinyllm_cli.llm", "tinyllm_cli.cluster", "tinyllm_cli.runtime", "tinyllm_cli.model",
+                            "tinyllm_cli.cache", "tinyllm_cli.sim", "tinyllm_cli.engine.engine",
+                            "tinyllm_cli.engine.scheduler"),
 }
+# Nothing below the server knows it exists.
+for _low in ("tinyllm_cli.engine", "tinyllm_cli.cache", "tinyllm_cli.model", "tinyllm_cli.cluster",
+             "tinyllm_cli.runtime", "tinyllm_cli.llm"):
+    FORBIDDEN[_low] = FORBIDDEN.get(_low, ()) + ("tinyllm_cli.serving",)
 
 # The load generator is a client of the HTTP API only (DESIGN.md, fourth round): nothing it
 # reaches, directly or through any module it imports, is engine code.

@@ -81,7 +81,7 @@ def max_model_len_of(llm) -> int:
     eng = llm.engine
     if hasattr(eng, "max_model_len"):
         return eng.max_model_len
-    return min(llm.config.cache.max_model_len, llm.runtime.config.max_position_embeddings)
+    return min(llm.config.cache.max_model_len, llm.runtime.model_cfg.max_position_embeddings)
 
 
 def run_serve(cfg: Config, *, host: str, port: int, api_key: str | None, allow_no_auth: bool, max_waiting: int,

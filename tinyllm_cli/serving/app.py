@@ -57,6 +57,10 @@ class ServeSettings:
     run_seed: int = 0
 
 
+class ClientGone(Exception):
+    """The client closed its connection while waiting: its request was aborted."""
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  headers: dict | None = None):
@@ -109,6 +113,10 @@ def create_app(engine, tokenizer, defaults, settings: ServeSettings, *, max_mode
     async def api_error(request, e: ApiError):
         return _error(e)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request, e: ClientGone):
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+
     @app.get("/health")
     async def health():
         if front.error is not None:
@@ -159,7 +167,7 @@ class Handler:
             raise ApiError(503, f"the server takes no new requests: {e}", "server_error")
         watch = Watch(self.front, self.metrics, call, tickets)
         # Wait for each request's first event before answering: a refusal is still a 4xx then.
-        firsts = [await watch.first(i, http) for i in range(len(tickets))]
+        firsts = [await watch.next(i, http) for i in range(len(tickets))]
         for first in firsts:
             if isinstance(first, RequestOutput) and first.finish_reason == "error" and not first.num_output_tokens:
                 watch.abort_all()
@@ -218,7 +226,7 @@ class Handler:
             raise ApiError(400, str(e), param=_field_of(str(e)))
         rid = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
         reqs = [Request(f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params, text, i, arrival=arrival,
-                        stream=True, whole=True) for i, (ids, text) in enumerate(prompts)]
+                        stream=bool(body.get("stream")), whole=True) for i, (ids, text) in enumerate(prompts)]
         return Call(rid, url, reqs, bool(body.get("stream")), bool((opts or {}).get("include_usage")), echo,
                     score_only, self.settings.model_name, int(time.time()), self.settings.run_seed)
 
@@ -260,10 +268,7 @@ class Watch:
         self.first_token: dict[object, float] = {}
         self.last_token: dict[object, float] = {}
 
-    async def first(self, i: int, http: HttpRequest):
-        return await self._next(i, http)
-
-    async def _next(self, i: int, http: HttpRequest | None):
+    async def next(self, i: int, http: HttpRequest | None):
         """Request i's next event; while waiting, a client that went away aborts the call."""
         q = self.tickets[i].events
         while True:
@@ -272,7 +277,7 @@ class Watch:
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
                     self.abort_all()
-                    raise asyncio.CancelledError("the client went away")
+                    raise ClientGone()
                 continue
             self._observe(self.tickets[i], ev)
             return ev
@@ -291,8 +296,10 @@ class Watch:
             return
         self.open.discard(rid)
         if isinstance(ev, RequestOutput):
-            if rid not in self.first_token and ev.num_output_tokens:
-                self.metrics.ttft.observe(now - t.request.arrival)
+            if rid not in self.first_token and ev.ttft_s is not None:  # unstreamed: the engine's own figures
+                self.metrics.ttft.observe(ev.ttft_s)
+                for _ in range(ev.num_output_tokens - 1 if ev.tpot_s is not None else 0):
+                    self.metrics.itl.observe(ev.tpot_s)  # its mean gap, once per gap
             self.metrics.e2e.observe(now - t.request.arrival)
             self.metrics.finished(ev.finish_reason)
         else:
@@ -311,7 +318,7 @@ class Watch:
         outs = []
         for i, ev in enumerate(firsts):
             while not isinstance(ev, (RequestOutput, Failed)):
-                ev = await self._next(i, http)
+                ev = await self.next(i, http)
             if isinstance(ev, Failed):
                 self.abort_all()
                 raise ApiError(500, ev.error, "server_error")
@@ -395,7 +402,7 @@ class Watch:
             await queue.put((i, ev))
             if isinstance(ev, (RequestOutput, Failed)):
                 return
-            ev = await self._next(i, None)
+            ev = await self.next(i, None)
 
     def _head(self, obj: str) -> dict:
         c = self.call

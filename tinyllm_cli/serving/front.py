@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections import deque
@@ -126,9 +127,9 @@ class EngineFront:
                 self._deliver(self.engine.take_deltas(), done)
                 if self.on_step is not None:
                     self.on_step(self.engine)
-        except BaseException as e:  # the engine broke: every open request learns why, none hangs
+        except Exception as e:  # the engine broke: every open request learns why, none hangs
             self.error = f"the engine stopped: {type(e).__name__}: {e}"
-            raise
+            print(f"tinyllm serve: {self.error}; /health now answers 503", file=sys.stderr, flush=True)
         finally:
             why = self.error or "the server stopped before the request finished"
             self._take_inbox()
@@ -150,15 +151,12 @@ class EngineFront:
         self._recount()
 
     def _deliver(self, deltas: list[Delta], done: list[RequestOutput]) -> None:
-        for d in deltas:
-            t = self.tickets.get(d.id)
-            if t is not None:
-                self._post(t, d)
-        for out in done:
-            t = self.tickets.get(out.id)
-            if t is not None:
-                self._finish(t, out)
+        """A step's events to their tickets, in one hand-over to the asyncio loop."""
+        events = [(t, d) for d in deltas if (t := self.tickets.get(d.id)) is not None]
+        events += [(t, out) for out in done if (t := self.tickets.pop(out.id, None)) is not None]
         self._recount()
+        if events:
+            self.loop.call_soon_threadsafe(_put_all, events)
 
     def _finish(self, t: Ticket, event) -> None:
         self.tickets.pop(t.request.id, None)
@@ -171,3 +169,8 @@ class EngineFront:
 
     def _post(self, t: Ticket, event) -> None:
         self.loop.call_soon_threadsafe(t.events.put_nowait, event)
+
+
+def _put_all(events: list) -> None:
+    for t, ev in events:
+        t.events.put_nowait(ev)
