@@ -124,10 +124,11 @@ def sse(chunks: list[str], usage: dict | None = None, done: bool = True, error: 
     return "".join(lines).encode()
 
 
-def run(handler, planned, *, slo=None, concurrency=None, server_metrics=False):
+def run(handler, planned, *, slo=None, concurrency=None, server_metrics=False, api_key=None, chat=False):
     async def go():
         async with new_client(httpx.MockTransport(handler)) as client:
-            target = Target(URL, "m", max_concurrency=concurrency, server_metrics=server_metrics, slo=slo or {})
+            target = Target(URL, "m", chat=chat, api_key=api_key, max_concurrency=concurrency,
+                            server_metrics=server_metrics, slo=slo or {})
             return await run_rate(client, target, planned)
     return asyncio.run(go())
 
@@ -154,6 +155,32 @@ def test_sending_never_waits_for_completions():
     assert len(seen) == n and res.summary["num_completed"] == n
     latest_send = max(r.sent_s for r in res.records)
     assert all(r.sent_s + r.latency_s >= latest_send for r in res.records)  # none finished before the last send
+
+
+def test_requests_carry_the_key_the_body_and_go_where_asked(tmp_path):
+    seen = []
+
+    def handler(request):
+        seen.append((request.url.path, request.headers.get("authorization"), json.loads(request.content or b"{}")))
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="")
+        return httpx.Response(200, content=sse(["a", "b"], {"prompt_tokens": 3, "completion_tokens": 2}))
+
+    planned = list(schedule(3, output_len=7))
+    run(handler, planned, api_key="sekret", server_metrics=True)
+    assert {auth for _, auth, _ in seen} == {"Bearer sekret"}
+    bodies = [b for path, _, b in seen if path == "/v1/completions"]
+    assert [(b["prompt"], b["max_tokens"]) for b in bodies] == [(p.prompt, p.output_len) for p in planned]
+    assert all(b["stream"] and b["ignore_eos"] and b["temperature"] == 0 and b["stream_options"]["include_usage"]
+               for b in bodies)
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("hello there\nsecond one\n")
+    seen.clear()
+    chat = list(plan(Prompts(Workload(prompts_file=str(prompts), chat=True, output_len=5)), math.inf, 1.0,
+                     seed=0, num_requests=3, duration_s=None))
+    run(handler, chat, chat=True)
+    assert [path for path, _, _ in seen] == ["/v1/chat/completions"] * 3
+    assert [b["messages"][0]["content"] for _, _, b in seen] == ["hello there", "second one", "hello there"]
 
 
 def test_max_concurrency_holds_requests_back():
