@@ -393,7 +393,7 @@ def load(
     w = Workload(input_len=input_len, output_len=output_len, range_ratio=range_ratio, prefix_len=prefix_len,
                  num_prefixes=num_prefixes, vocab_size=vocab_size, trace=trace, prompts_file=prompts,
                  chat=endpoint == "chat", seed=workload_seed)
-    spec = LoadSpec(url=url, chat=endpoint == "chat", model=served_model, api_key=api_key, rates=rates,
+    spec = LoadSpec(url=url, model=served_model, api_key=api_key, rates=rates,
                     burstiness=burstiness, max_concurrency=max_concurrency, num_requests=num_requests,
                     duration_s=duration, time_scale=time_scale, seed=seed, workload=w, slo=slo,
                     server_metrics=server_metrics)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import TinyLLMError, UsageError
-from ..loadgen.client import ServerGone, first_model
+from ..loadgen.client import ServerGone, auth_headers, first_model
 from ..loadgen.run import RateResult, Target, new_client, run_rate
 from ..loadgen.schedule import Prompts, Workload, plan
 from ..report import load_rate_table, load_sweep_table, stderr_console
@@ -24,7 +24,6 @@ class LoadSpec:
     """The flags, checked: what to send, when, and where."""
 
     url: str
-    chat: bool
     model: str | None
     api_key: str | None
     rates: list[float | None]  # None: a trace's own arrival times
@@ -65,7 +64,7 @@ def check(spec: LoadSpec) -> LoadSpec:
     w = spec.workload
     if w.trace and w.prompts_file:
         raise UsageError("give --trace or --prompts, not both")
-    if spec.chat and not w.prompts_file:
+    if w.chat and not w.prompts_file:
         raise UsageError("--endpoint chat needs text prompts: give --prompts FILE (the random workload and "
                          "traces send token ids, which only the completions endpoint takes)")
     if spec.num_requests is not None and spec.duration_s is not None:
@@ -89,13 +88,16 @@ def run_load(spec: LoadSpec, json_out: Path | None, plot_out: Path | None, quiet
     spec = check(spec)
     if json_out is not None and str(json_out) != "-" and not Path(json_out).parent.is_dir():
         raise UsageError(f"--json {str(json_out)!r}: its folder does not exist")
-    report = {"kind": "load", "url": spec.url, "endpoint": "chat" if spec.chat else "completions",
+    report = {"kind": "load", "url": spec.url, "endpoint": "chat" if spec.workload.chat else "completions",
               "model": spec.model, "settings": _settings(spec), "runs": []}
     console = None if quiet else stderr_console()
     try:
         asyncio.run(_sweep(spec, report, json_out, console))
-    finally:
-        write_report(report, json_out, final=True)
+    except BaseException:
+        if str(json_out) != "-":  # a failed run keeps its records; stdout stays empty
+            write_report(report, json_out)
+        raise
+    write_report(report, json_out, final=True)
     if plot_out is not None:
         from ..plot import draw
         draw("load", report, plot_out)
@@ -105,17 +107,16 @@ def run_load(spec: LoadSpec, json_out: Path | None, plot_out: Path | None, quiet
 
 
 async def _sweep(spec: LoadSpec, report: dict, json_out: Path | None, console) -> None:
-    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     async with new_client() as client:
         try:
-            model = spec.model or await first_model(client, spec.url, headers)
+            model = spec.model or await first_model(client, spec.url, auth_headers(spec.api_key))
         except ServerGone as e:
             raise TinyLLMError(f"no server answers at {spec.url} ({_reason(e)}); start one (tinyllm serve) or "
                                f"check --url")
         except LookupError as e:
             raise TinyLLMError(str(e))
         report["model"] = model
-        target = Target(spec.url, model, spec.chat, spec.api_key, spec.max_concurrency, spec.server_metrics,
+        target = Target(spec.url, model, spec.workload.chat, spec.api_key, spec.max_concurrency, spec.server_metrics,
                         spec.slo)
         prompts = Prompts(spec.workload)
         for rate in spec.rates:

@@ -30,6 +30,10 @@ class ServerGone(Exception):
     """Nothing answers at the server's address (refused or reset before any response)."""
 
 
+def auth_headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def body(p: Planned, model: str, chat: bool) -> dict:
     """The request body: greedy, exactly ``output_len`` tokens (``ignore_eos``, vLLM's extra
     field, which servers that lack it ignore), streamed with a final usage chunk."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .client import TIMEOUT, ServerGone, body, reachable, send
+from .client import TIMEOUT, ServerGone, auth_headers, body, reachable, send
 from .metrics import Sampler, metrics_url
 from .records import RequestRecord, summarize
 from .schedule import Planned
@@ -40,7 +40,7 @@ class Target:
 
     @property
     def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return auth_headers(self.api_key)
 
     @property
     def endpoint_url(self) -> str:

@@ -75,7 +75,7 @@ class Workload:
     vocab_size: int = 49152
     trace: str | None = None
     prompts_file: str | None = None
-    chat: bool = False
+    chat: bool = False  # sent to the chat endpoint (text prompts as user messages)
     seed: int = 0  # the random workload's (--workload-seed)
 
 
