@@ -7,12 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import queue
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
@@ -23,6 +20,8 @@ from tinyllm_cli.loadgen.records import RequestRecord, parse_goodput, percentile
 from tinyllm_cli.loadgen.run import GONE, Target, new_client, run_rate
 from tinyllm_cli.loadgen.schedule import Prompts, Workload, plan, send_times
 from tinyllm_cli.traces import generate_trace
+
+from serving_util import ServerProc  # noqa: E402  (tests/: a real tinyllm serve process)
 
 URL = "http://load.test/v1"
 
@@ -421,49 +420,10 @@ def test_plot_draws_and_redraws_a_load_json(tmp_path):
 
 # ---- live, against a real tinyllm serve ---------------------------------------------------------
 
-class Server:
-    """``tinyllm serve`` on the default model in a child process, on a free port of 127.0.0.1."""
-
-    def __init__(self, *args: str):
-        self.p = subprocess.Popen([sys.executable, "-m", "tinyllm_cli", "serve", "--port", "0", "--quiet", *args],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.url = self._wait_for_url(timeout=600)  # printed once the model is loaded
-        self.root = self.url.removesuffix("/v1")
-        assert httpx.get(self.root + "/health", timeout=60).status_code == 200
-
-    def _pump(self):
-        for line in self.p.stderr:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def _wait_for_url(self, timeout: float) -> str:
-        while True:
-            line = self.lines.get(timeout=timeout)
-            if line is None:
-                raise RuntimeError(f"tinyllm serve exited with {self.p.wait()} before serving")
-            if line.startswith("tinyllm serve:"):
-                return line.split(" on ")[1].split()[0]
-
-    def metric(self, name: str) -> float:
-        return metrics.parse(httpx.get(self.root + "/metrics", timeout=60).text).get(name, 0.0)
-
-    def stop(self):
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-
-
 @pytest.fixture(scope="module")
 def server():
-    s = Server()
-    yield s
-    s.stop()
+    with ServerProc() as s:  # the default model
+        yield s
 
 
 def load_cli(*args, timeout=600) -> subprocess.CompletedProcess:
@@ -473,8 +433,8 @@ def load_cli(*args, timeout=600) -> subprocess.CompletedProcess:
 
 def test_live_sweep_goodput_from_records_and_the_servers_own_counts(server, tmp_path):
     out_json = tmp_path / "load.json"
-    before = server.metric("vllm:generation_tokens_total")
-    r = load_cli("--url", server.url, "--request-rate", "4,inf", "--num-requests", 8, "--input-len", 32,
+    before = server.metrics()["vllm:generation_tokens_total"]
+    r = load_cli("--url", server.v1, "--request-rate", "4,inf", "--num-requests", 8, "--input-len", 32,
                  "--output-len", 12, "--goodput", "ttft:400 tpot:60", "--server-metrics", "--json", out_json)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "" and "rate sweep" in r.stderr
@@ -497,7 +457,7 @@ def test_live_sweep_goodput_from_records_and_the_servers_own_counts(server, tmp_
         assert s["server"]["server_generation_tokens"] == s["output_tokens"]
         assert s["server"]["server_prompt_tokens"] == s["prompt_tokens"]
         sent_tokens += s["output_tokens"]
-    assert server.metric("vllm:generation_tokens_total") - before == sent_tokens
+    assert server.metrics()["vllm:generation_tokens_total"] - before == sent_tokens
     burst = report["runs"][1]["records"]
     assert max(x["sent_s"] for x in burst) < min(x["sent_s"] + x["latency_s"] for x in burst)  # open loop
 
@@ -508,7 +468,7 @@ def test_live_failed_requests_are_counted(server, tmp_path):
     lines = [{"arrival_s": 0.05 * i, "prompt_len": 16, "output_len": 100000 if i % 3 == 0 else 8} for i in range(9)]
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out_json = tmp_path / "load.json"
-    r = load_cli("--url", server.url, "--trace", trace, "--json", out_json)
+    r = load_cli("--url", server.v1, "--trace", trace, "--json", out_json)
     assert r.returncode == 0, r.stderr
     s = json.loads(out_json.read_text())["runs"][0]["summary"]
     assert s["num_requests"] == 9 and s["num_failed"] == 3 and s["num_completed"] == 6
@@ -517,22 +477,16 @@ def test_live_failed_requests_are_counted(server, tmp_path):
 
 
 def test_live_server_that_goes_away_mid_run(tmp_path):
-    victim = Server()
     out_json = tmp_path / "load.json"
-    try:
-        args = ["--url", victim.url, "--request-rate", "3", "--num-requests", "200", "--input-len", "16",
+    with ServerProc() as victim:
+        args = ["--url", victim.v1, "--request-rate", "3", "--num-requests", "200", "--input-len", "16",
                 "--output-len", "16", "--json", out_json]
         load = subprocess.Popen([sys.executable, "-m", "tinyllm_cli", "load", *map(str, args)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(600):  # until a few requests have finished (bounded: 10 minutes)
-            if victim.metric("vllm:generation_tokens_total") >= 32:
-                break
-            threading.Event().wait(1.0)
-        victim.p.kill()
+        victim.wait_metric("vllm:generation_tokens_total", lambda v: v is not None and v >= 32,
+                           "counted two requests' tokens")
+        victim.stop()  # SIGKILL, mid-run
         out, err = load.communicate(timeout=300)
-    finally:
-        victim.p.kill()
-        victim.p.wait()
     assert load.returncode == 1 and out == ""
     errors = [ln for ln in err.splitlines() if ln.startswith("error")]  # after the partial rate's table
     assert errors == [err.strip().splitlines()[-1]] and "went away after" in errors[0] and str(out_json) in errors[0]
