@@ -1,5 +1,6 @@
 """The package's layering, checked from the source: no import cycles (module-level or inside
-functions), nothing imports a command, and the lower layers never reach up (DESIGN.md)."""
+functions), nothing imports a command, the lower layers never reach up, and the product never
+imports the benchmarks (DESIGN.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "tinyllm_cli"
+BENCHMARKS = PKG.parent / "benchmarks"
 
 # Layers that must not import the ones named (by module prefix).
 FORBIDDEN = {
@@ -117,4 +119,32 @@ def test_lower_layers_never_reach_up():
     g = graph()
     bad = [(m, t) for m, ts in g.items() for t in ts for layer, banned in FORBIDDEN.items()
            if (m == layer or m.startswith(layer + ".")) and any(t == b or t.startswith(b + ".") for b in banned)]
+    assert bad == []
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The first component of every absolute module a file imports, anywhere in it."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_the_product_never_imports_the_benchmarks():
+    """Benchmarks are not the product: the cross-engine comparison lives in benchmarks/, which
+    imports tinyllm_cli, never the other way."""
+    assert (BENCHMARKS / "compare.py").is_file()  # the check looks where the benchmarks are
+    assert "tinyllm_cli" in top_level_imports(BENCHMARKS / "engines" / "tinyllm.py")  # it sees imports
+    bad = sorted(str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py") if "benchmarks" in top_level_imports(p))
+    assert bad == []
+
+
+def test_the_benchmark_workers_import_neither_package():
+    """A worker runs under another engine's venv, where neither package is installed."""
+    workers = sorted((BENCHMARKS / "workers").glob("*.py"))
+    assert len(workers) == 3
+    bad = [p.name for p in workers if top_level_imports(p) & {"tinyllm_cli", "benchmarks"}]
     assert bad == []
