@@ -101,7 +101,9 @@ at 6-12% of a core, which every other engine's figure paid for; a guard process 
 stopped ones should the comparison be killed outright. The table goes to stderr
 (``--markdown`` writes it as markdown, headed by the CPU), ``--json`` writes every run. External
 engines are set up in ``--cache-dir`` (default ``~/.cache/tinyllm-compare``) when missing; one
-that cannot be set up or fails is skipped with a note, never ending the comparison.
+that cannot be set up or fails is skipped with a note, never ending the comparison. Each run is
+also stored as one result file (``--results-dir``, default ``benchmarks/results``; see results.py),
+from which ``python -m benchmarks.report`` renders the tables of docs/performance.md.
 """
 
 from __future__ import annotations
@@ -114,8 +116,10 @@ import signal
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
+from . import results
 from .common import BENCHES, DEFAULT_DTYPES, DTYPES, ENGINE_NAMES, ENGINES, INT4, REPO, Skip, lazy, log
 from .comparison import Comparison
 from .engines.llamacpp import LLAMACPP_Q4, quantize_gguf
@@ -148,6 +152,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny workloads (a smoke test, not a measurement)")
     p.add_argument("--json", type=Path, help="write every run, the medians and the CPU facts here")
     p.add_argument("--markdown", type=Path, help="also write the table as markdown here (headed by the CPU)")
+    p.add_argument("--results-dir", type=Path, default=None,
+                   help="store the run as a result file here (default benchmarks/results; a --quick run is "
+                        "stored only where this is given)")
     p.add_argument("--config", type=Path, default=None,
                    help="tinyllm config for the single-stream run and the int4 rows (default configs/fast.yaml)")
     p.add_argument("--batch-config", type=Path, default=None,
@@ -303,8 +310,21 @@ def interrupt_on_termination() -> None:
             signal.signal(getattr(signal, name), interrupt)
 
 
+def store_result(cmp: Comparison, argv: list[str], started: datetime, interrupted: bool) -> None:
+    """The run as a new file under ``--results-dir`` (results.py); nothing for a --quick run
+    without one, or a run that measured nothing."""
+    a = cmp.args
+    directory = a.results_dir or (None if a.quick else results.RESULTS_DIR)
+    if directory is None or not any(c.values for c in cmp.cells.values()):
+        return
+    path = results.write(results.record(cmp, argv, started, results.git_commit(), interrupted), directory)
+    log(f"stored the result as {path} (python -m benchmarks.report renders the tables from it)")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
+    started = datetime.now(timezone.utc)
     interrupt_on_termination()
     cpu = cpu_info()
     log(f"CPU: {cpu_label(cpu)}")
@@ -338,6 +358,7 @@ def main(argv=None) -> int:
     if a.json:
         a.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
         log(f"wrote {a.json}")
+    store_result(cmp, argv, started, code == 130)
     log(f"done in {result['wall_s']:.0f} s")
     return code
 

@@ -54,12 +54,22 @@ def uarch(vendor: str | None, family: str | None, model: str | None) -> str | No
     return None
 
 
-def cpu_label(c: dict) -> str:
+def cpu_features(c: dict) -> str:
+    """The instruction sets that decide bfloat16 and int8 speed, as one label."""
     feats = [f for f, on in (("AVX-512", c["avx512f"]), ("AVX512-BF16", c["avx512_bf16"]), ("AMX", c["amx"])) if on]
+    return (" + ".join(feats) if feats else "no AVX-512") + ("" if c["amx"] else ", no AMX")
+
+
+def cpu_class(c: dict) -> str:
+    """What results are grouped by: the core generation (lscpu's model name where it is unknown)
+    and the instruction sets, e.g. "Zen 4 · AVX-512 + AVX512-BF16, no AMX"."""
+    return f"{c.get('uarch') or c['model_name']} · {cpu_features(c)}"
+
+
+def cpu_label(c: dict) -> str:
     family = f" (family {c['family']} model {c['model']}" + (f", {c['uarch']}" if c.get("uarch") else "") + ")" \
         if c.get("family") else ""
-    return f"{c['model_name']}{family}, {c['cores']} cores, " + (" + ".join(feats) if feats else "no AVX-512") + \
-        ("" if c["amx"] else ", no AMX")
+    return f"{c['model_name']}{family}, {c['cores']} cores, {cpu_features(c)}"
 
 
 def mem_available() -> int | None:

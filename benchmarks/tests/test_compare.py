@@ -14,12 +14,17 @@ import signal
 import statistics
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
 from benchmarks.common import BATCHED
 from benchmarks.compare import parse_args, parse_kv_gib
+from benchmarks.comparison import Comparison
+from benchmarks.machine import cpu_class
+from benchmarks.report import render
+from benchmarks.results import git_commit, load
 from benchmarks.models import SHAPES, kv_gib
 from benchmarks.workloads import QUICK, make_prompts
 
@@ -35,7 +40,8 @@ def _run(args, tmp_path):
 def test_quick_compare_tinyllm_and_transformers(llama_dir, tmp_path):
     out = tmp_path / "compare.json"
     p = _run(["--quick", "--engines", "tinyllm,hf", "--workloads", "W1,W2,long", "--dtypes", "float32",
-              "--repeat", "2", "--settle", "0", "--hf-dir", str(llama_dir), "--json", str(out)], tmp_path)
+              "--repeat", "2", "--settle", "0", "--hf-dir", str(llama_dir), "--json", str(out),
+              "--results-dir", str(tmp_path / "results")], tmp_path)
     assert p.returncode == 0, p.stderr
     assert p.stdout == ""  # the table and the log go to stderr
     assert "tinyllm / transformers" in p.stderr and all(b in p.stderr for b in BATCHED)
@@ -69,6 +75,44 @@ def test_quick_compare_tinyllm_and_transformers(llama_dir, tmp_path):
         assert rows[bench]["agree tinyllm"]["exact"] == wl.num_prompts
     assert "| 135m | W1 | float32 | tok/s |" in res["markdown"] and res["cpu_label"] in res["markdown"]
     _check_limits(res, rows, llama_dir)
+    _check_stored_result(tmp_path / "results", res)
+
+
+def _check_stored_result(directory: Path, res: dict) -> None:
+    """The run's result file holds the --json output's medians and rounds, per engine, workload and
+    dtype, with the CPU class, the commit and the command; the report renders its table from it."""
+    [stored] = load(directory)
+    d = stored.data
+    assert d["source"] == "measured" and d["commit"] == git_commit()
+    assert d["cpu"]["model_name"] == res["cpu"]["model_name"] and d["cpu"]["cpu_class"] == cpu_class(res["cpu"])
+    assert d["settings"]["statistic"] == "median" and d["settings"]["rounds"] == 2
+    assert d["settings"]["command"].startswith("python -m benchmarks.compare --quick --engines tinyllm,hf")
+    got = {(f["shape"], f["bench"], f["dtype"], f["engine"]): (f["value"], f["values"]) for f in d["figures"]}
+    assert got == {(c["shape"], c["bench"], c["dtype"], c["engine"]): (c["median"], c["values"]) for c in res["cells"]}
+    table = render(load(directory))
+    for row in res["table"]:
+        line = next(ln for ln in table.splitlines() if ln.startswith(f"| 135m | {row['bench']} | float32 | tok/s |"))
+        assert f"| {row['tinyllm / transformers']:.2f}x | a |" in line
+    assert table.startswith(f"### {d['cpu']['cpu_class']}\n") and f"Recorded {d['recorded'][:10]}" in table
+
+
+def test_a_quick_run_stores_no_result_unless_asked(tmp_path, monkeypatch):
+    """A --quick run is a smoke test: it writes into benchmarks/results only where --results-dir
+    names a directory; a measured run always does."""
+    import benchmarks.compare as compare
+    stored = []
+    monkeypatch.setattr(compare.results, "write", lambda rec, directory: stored.append(directory) or directory / "x")
+    cmp = Comparison(parse_args(["--quick"]), {"model_name": "Test CPU", "cores": 2, "amx": False,
+                                               "avx512_bf16": False, "avx512f": False, "family": None, "model": None})
+    cmp.cell("W1", "float32", "tinyllm").values.append(1.0)
+    compare.store_result(cmp, ["--quick"], datetime.now(timezone.utc), False)
+    assert stored == []
+    cmp.args = parse_args([])
+    compare.store_result(cmp, [], datetime.now(timezone.utc), False)
+    assert stored == [compare.results.RESULTS_DIR]
+    cmp.args = parse_args(["--quick", "--results-dir", str(tmp_path)])
+    compare.store_result(cmp, [], datetime.now(timezone.utc), False)
+    assert stored[-1] == tmp_path
 
 
 def _flops(hf: dict, prompt_lens: list[int], out: int) -> int:
