@@ -1,6 +1,6 @@
 """``python -m benchmarks.report``: the comparison tables of docs/performance.md, rendered from the
-stored results (``benchmarks/results/*.json``, see results.py) as markdown on stdout;
-``--write FILE`` puts them between the file's two markers instead.
+stored results (``benchmarks/results/*.json``, see results.py) as markdown on stdout (``--summary``:
+the front page's short table); ``--write FILE`` puts each between the file's markers instead.
 
 One table per CPU class. Invariant: each row (shape, bench, dtype) comes whole from the latest
 run that measured it, so the figures and ratios of a row are always from one run (figures of
@@ -18,6 +18,9 @@ from .results import RESULTS_DIR, Result, ResultError, load
 
 BEGIN = "<!-- results: rendered by python -m benchmarks.report from benchmarks/results; do not edit by hand -->"
 END = "<!-- end of results -->"
+SUMMARY_BEGIN = "<!-- summary: rendered by python -m benchmarks.report --summary; do not edit by hand -->"
+SUMMARY_END = "<!-- end of summary -->"
+SUMMARY_DTYPES = ("float32", "bfloat16", "int4")
 SHAPE_ORDER = ("135m", "1.5b", "real")
 BENCH_ORDER = ("W1", "W2", "long", "single", "e2e", "start-up", "start-up, default model")
 DTYPE_ORDER = ("float32", "bfloat16", "int4", "q4_1")
@@ -56,7 +59,9 @@ def fmt(value: float | None) -> str:
 
 def ratio(mine: dict | None, theirs: dict | None) -> str:
     """tinyllm / other for tok/s, other / tinyllm for seconds: above 1 is tinyllm ahead."""
-    if not mine or not theirs or mine["value"] is None or theirs["value"] is None:
+    if theirs and theirs["value"] is None:
+        return "n/a"  # the other engine cannot run this row (its note says why)
+    if not mine or not theirs or mine["value"] is None:
         return "-"
     r = mine["value"] / theirs["value"] if mine["unit"] == "tok/s" else theirs["value"] / mine["value"]
     return f"{r:.2f}x"
@@ -115,16 +120,53 @@ def render(results: list[Result]) -> str:
     return "\n".join(render_class(c, classes[c]) for c in order)
 
 
+def summary(results: list[Result]) -> str:
+    """The front page's table: per CPU class and precision, the 135m shape's W1 and W2 as tinyllm's
+    ratio to each other engine (from the same rows as the full tables)."""
+    classes: dict[str, list[Result]] = {}
+    for res in results:
+        classes.setdefault(res.cpu_class, []).append(res)
+    others = ("openvino", "vllm", "llamacpp")
+    head = ["CPU", "dtype", "tinyllm W1 tok/s", *(f"/ {ENGINE_NAMES[e]} (W1, W2)" for e in others), "recorded"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cls in sorted(classes, key=lambda c: max(r.order for r in classes[c]), reverse=True):
+        rows = latest_rows(classes[cls])
+        for dtype in SUMMARY_DTYPES:
+            w1, w2 = rows.get(("135m", "W1", dtype)), rows.get(("135m", "W2", dtype))
+            if not w1 or "tinyllm" not in w1[1]:
+                continue
+            pairs = [", ".join(ratio(r[1].get("tinyllm"), r[1].get(e)) if r else "-" for r in (w1, w2)) for e in others]
+            dates = sorted({r[0].data["recorded"][:10] for r in (w1, w2) if r})
+            lines.append("| " + " | ".join([cls, dtype, fmt(w1[1]["tinyllm"]["value"]), *pairs, " / ".join(dates)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def block(results: list[Result]) -> str:
     return f"{BEGIN}\n\n{render(results)}\n{END}"
 
 
-def replace_block(text: str, new_block: str, name: str = "the file") -> str:
+def summary_block(results: list[Result]) -> str:
+    return f"{SUMMARY_BEGIN}\n\n{summary(results)}\n{SUMMARY_END}"
+
+
+def replace_block(text: str, new_block: str, name: str = "the file", begin: str = BEGIN, end: str = END) -> str:
     """``text`` with the part between the markers (markers included) replaced by ``new_block``."""
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
-        raise ResultError(f"{name} needs the markers {BEGIN!r} and {END!r}, once each, in that order")
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    return text[:start] + new_block + text[end:]
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ResultError(f"{name} needs the markers {begin!r} and {end!r}, once each, in that order")
+    start, stop = text.index(begin), text.index(end) + len(end)
+    return text[:start] + new_block + text[stop:]
+
+
+def write_into(path: Path, results: list[Result]) -> None:
+    """Replace the tables' block, the summary's block, or both, whichever ``path`` holds."""
+    text = path.read_text()
+    blocks = [(BEGIN, END, block), (SUMMARY_BEGIN, SUMMARY_END, summary_block)]
+    present = [(b, e, f) for b, e, f in blocks if b in text or e in text]
+    if not present:
+        raise ResultError(f"{path} has neither the tables' markers nor the summary's ({BEGIN!r}, {SUMMARY_BEGIN!r})")
+    for b, e, f in present:
+        text = replace_block(text, f(results), str(path), b, e)
+    path.write_text(text)
 
 
 def main(argv=None) -> int:
@@ -132,17 +174,20 @@ def main(argv=None) -> int:
                                 description="Render the comparison tables (markdown, one per CPU class) from the "
                                             "stored results; stdout, or --write into a file's marked block.")
     p.add_argument("--results", type=Path, default=RESULTS_DIR, help="the results directory (default %(default)s)")
-    p.add_argument("--write", type=Path, help="replace the marked block of this markdown file (docs/performance.md)")
+    p.add_argument("--summary", action="store_true", help="the front page's short table instead (README.md)")
+    p.add_argument("--write", type=Path, action="append", default=[],
+                   help="replace the marked blocks of this markdown file instead of printing (repeatable: "
+                        "docs/performance.md, README.md)")
     a = p.parse_args(argv)
     try:
         results = load(a.results)
         if not results:
             raise ResultError(f"no result files in {a.results}")
-        if a.write:
-            a.write.write_text(replace_block(a.write.read_text(), block(results), str(a.write)))
-            print(f"wrote the tables of {len(results)} runs into {a.write}", file=sys.stderr)
-        else:
-            sys.stdout.write(render(results))
+        for path in a.write:
+            write_into(path, results)
+            print(f"wrote what {len(results)} stored runs give into {path}", file=sys.stderr)
+        if not a.write:
+            sys.stdout.write(summary(results) if a.summary else render(results))
     except (ResultError, OSError) as e:
         print(f"benchmarks.report: {e}", file=sys.stderr)
         return 1
