@@ -310,15 +310,21 @@ def interrupt_on_termination() -> None:
             signal.signal(getattr(signal, name), interrupt)
 
 
-def store_result(cmp: Comparison, argv: list[str], started: datetime, interrupted: bool) -> None:
+def store_result(cmp: Comparison, argv: list[str], started: datetime, interrupted: bool) -> bool:
     """The run as a new file under ``--results-dir`` (results.py); nothing for a --quick run
-    without one, or a run that measured nothing."""
+    without one, or a run that measured nothing. False (with the reason logged) if it could not
+    be stored."""
     a = cmp.args
     directory = a.results_dir or (None if a.quick else results.RESULTS_DIR)
     if directory is None or not any(c.values for c in cmp.cells.values()):
-        return
-    path = results.write(results.record(cmp, argv, started, results.git_commit(), interrupted), directory)
+        return True
+    try:
+        path = results.write(results.record(cmp, argv, started, results.git_commit(), interrupted), directory)
+    except (OSError, results.ResultError) as e:
+        log(f"error: the result could not be stored in {directory}: {e}")
+        return False
     log(f"stored the result as {path} (python -m benchmarks.report renders the tables from it)")
+    return True
 
 
 def main(argv=None) -> int:
@@ -358,7 +364,8 @@ def main(argv=None) -> int:
     if a.json:
         a.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
         log(f"wrote {a.json}")
-    store_result(cmp, argv, started, code == 130)
+    if not store_result(cmp, argv, started, code == 130) and code == 0:
+        code = 1
     log(f"done in {result['wall_s']:.0f} s")
     return code
 

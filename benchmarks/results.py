@@ -99,7 +99,8 @@ def figure_of(cell, agreement: dict | None) -> dict:
 def record(cmp, argv: list[str], now: datetime, commit: str | None, interrupted: bool = False) -> dict:
     """A measured comparison as a result record (schema 1)."""
     a = cmp.args
-    figures = [figure_of(c, cmp.agreement.get((c.shape, c.bench, c.dtype, c.engine))) for c in cmp.cells.values()]
+    figures = [figure_of(c, cmp.agreement.get((c.shape, c.bench, c.dtype, c.engine))) for c in cmp.cells.values()
+               if c.values or c.note]  # a cell the run never reached says nothing
     settings = {"command": " ".join(["python -m benchmarks.compare", *argv]), "statistic": "median",
                 "rounds": a.repeat, "interleaved": True, "threads": 2, "quick": a.quick,
                 "kv_gib": {s: kv_gib(a, s) for s in a.shapes},

@@ -115,6 +115,28 @@ def test_a_quick_run_stores_no_result_unless_asked(tmp_path, monkeypatch):
     assert stored[-1] == tmp_path
 
 
+def test_a_result_leaves_out_cells_never_reached_and_a_failed_store_is_one_line(tmp_path, capsys):
+    import benchmarks.compare as compare
+    cpu = {"model_name": "Test CPU", "cores": 2, "amx": False, "avx512_bf16": False, "avx512f": True,
+           "family": None, "model": None}
+    cmp = Comparison(parse_args(["--results-dir", str(tmp_path / "r")]), cpu)
+    cmp.cell("W1", "float32", "tinyllm").values.extend([5.0, 7.0])
+    cmp.cell("W1", "float32", "vllm")  # created, never run: no figure
+    cmp.cell("W2", "float32", "openvino").note = "cannot run here"
+    assert compare.store_result(cmp, ["--results-dir", "r"], datetime(2026, 12, 6, 1, 2, 3, tzinfo=timezone.utc), False)
+    [stored] = load(tmp_path / "r")
+    assert stored.path.name == "2026-12-06T010203Z-test-cpu-avx-512-no-amx.json"
+    figs = {(f["bench"], f["engine"]): f for f in stored.data["figures"]}
+    assert set(figs) == {("W1", "tinyllm"), ("W2", "openvino")}
+    assert figs[("W1", "tinyllm")]["value"] == 6.0 and figs[("W1", "tinyllm")]["values"] == [5.0, 7.0]
+    assert figs[("W2", "openvino")]["value"] is None and figs[("W2", "openvino")]["note"] == "cannot run here"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cmp.args.results_dir = blocker / "results"
+    assert not compare.store_result(cmp, [], datetime.now(timezone.utc), False)
+    assert "error: the result could not be stored in" in capsys.readouterr().err
+
+
 def _flops(hf: dict, prompt_lens: list[int], out: int) -> int:
     """A workload's FLOPs from the HF config by hand: every weight matmul (2 per multiply-add, the
     output projection on sampled rows only) and causal attention's QK^T and P.V."""
