@@ -61,7 +61,7 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from scripts.compare_engines import cpu_info, cpu_label  # the same CPU facts as the engine comparison
+    from benchmarks.machine import cpu_info, cpu_label  # the same CPU facts as the engine comparison
     from tinyllm_cli import kernels
     from tinyllm_cli import LLM
     from tinyllm_cli.workload import random_prompts

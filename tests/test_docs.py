@@ -5,8 +5,12 @@
 - Every ``tinyllm ...`` command line in README.md, docs/*.md and the kernels README (in
   ```bash / ```sh / ```console blocks, and inline `tinyllm ...` spans in the prose) is parsed by
   the real CLI parser without running it, and its settings are validated as the command would
-  validate them (an all-caps value such as `--dtype DTYPE` is a placeholder: parsed, not validated); ``scripts/*.py`` lines are checked against the script's ``--help``, ``make``
-  lines against the Makefile, ``python -m`` lines against the importable modules.
+  validate them (an all-caps value such as `--dtype DTYPE` is a placeholder: parsed, not validated);
+  ``scripts/*.py`` and ``python -m benchmarks...`` lines are checked against their ``--help``,
+  ``make`` lines against the Makefile, ``python -m tinyllm_cli...`` lines against the importable modules.
+- The comparison tables of docs/performance.md and the README's summary are what
+  ``python -m benchmarks.report`` renders from ``benchmarks/results``, so they cannot drift from the
+  stored data; every table names its CPU and date; no session diary in the docs this suite owns.
 - The README's examples run end to end at small sizes (the default model for generate and
   serve-batch, the tiny random checkpoint for bench and inspect-blocks), then ``plot`` on their
   JSON; the README's Python block runs too.
@@ -284,14 +288,18 @@ def test_documented_scripts_make_targets_and_modules_exist():
     targets = set(re.findall(r"^([A-Za-z][\w.-]*)\s*:", makefile, re.M))
     for path, c in all_commands():
         at = f"{where(path, c.line)}: {c.source}"
-        if c.kind == "script":
-            if not (ROOT / c.program).is_file():
+        if c.kind == "script" or (c.kind == "module" and c.program.startswith("benchmarks")):
+            script = c.kind == "script"
+            if script and not (ROOT / c.program).is_file():
                 failures.append(f"{at}\n    no such script")
                 continue
             if c.program not in scripts:
-                r = subprocess.run([sys.executable, c.program, "--help"], cwd=ROOT, capture_output=True, text=True,
+                argv = [c.program] if script else ["-m", c.program]
+                r = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True,
                                    timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
-                assert r.returncode == 0, f"{c.program} --help failed: {r.stderr[-500:]}"
+                if r.returncode != 0:
+                    failures.append(f"{at}\n    {c.program} --help failed: {r.stderr[-300:]}")
+                    continue
                 scripts[c.program] = set(re.findall(r"--[\w-]+", r.stdout))
             bad = [a.split("=")[0] for a in c.argv if a.startswith("--") and a.split("=")[0] not in scripts[c.program]]
             if bad:
@@ -305,7 +313,8 @@ def test_documented_scripts_make_targets_and_modules_exist():
             if importlib.util.find_spec(c.program) is None:
                 failures.append(f"{at}\n    no module {c.program}")
     assert not failures, "\n".join(failures)
-    assert scripts, "no scripts/*.py command found in the docs"
+    assert any(p.startswith("scripts/") for p in scripts), "no scripts/*.py command found in the docs"
+    assert {"benchmarks.compare", "benchmarks.report"} <= set(scripts), "the docs show no benchmark command"
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -451,11 +460,51 @@ def test_readme_is_short_and_keeps_its_two_quickstart_commands():
 
 def test_performance_tables_name_their_cpu_and_date():
     text = (ROOT / "docs" / "performance.md").read_text()
-    for m in re.finditer(r"^## (.*)\n(.*?)(?=^## |\Z)", text, re.S | re.M):
-        title, body = m.groups()
-        if re.search(r"^\| .* \|$", body, re.M) and title != "On a GPU":
+    for m in re.finditer(r"^##(#?) (.*)\n(.*?)(?=^###? |\Z)", text, re.S | re.M):
+        _, title, body = m.groups()
+        if re.search(r"^\|.*\|$", body, re.M) and title != "On a GPU":
             assert re.search(r"Recorded \d{4}-\d{2}-\d{2}", body), f"performance.md '{title}': no date"
             assert "CPU:" in body and "cores" in body, f"performance.md '{title}': no CPU named"
+
+
+def rendered(*args: str) -> str:
+    """What ``python -m benchmarks.report`` renders from the stored results (it imports no test code)."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.report", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def between(text: str, begin: str, end: str, name: str) -> str:
+    assert text.count(begin) == 1 and text.count(end) == 1, f"{name}: the generated block's markers, once each"
+    return text[text.index(begin) + len(begin):text.index(end)].strip("\n") + "\n"
+
+
+def test_the_comparison_tables_are_the_stored_results():
+    """docs/performance.md's tables and README.md's summary equal what the report renders from
+    benchmarks/results: a changed figure, a new result file or a hand edit fails here until
+    `python -m benchmarks.report --write docs/performance.md --write README.md` is run."""
+    perf = (ROOT / "docs" / "performance.md").read_text()
+    begin = "<!-- results: rendered by python -m benchmarks.report from benchmarks/results; do not edit by hand -->"
+    tables = between(perf, begin, "<!-- end of results -->", "docs/performance.md")
+    assert tables == rendered()
+    assert len(re.findall(r"^### ", tables, re.M)) >= 4  # one per CPU class: Zen 4, Ice Lake-SP, Zen 3, AMX
+    begin = "<!-- summary: rendered by python -m benchmarks.report --summary; do not edit by hand -->"
+    summary = between(README.read_text(), begin, "<!-- end of summary -->", "README.md")
+    assert summary == rendered("--summary")
+    assert len(summary.splitlines()) <= 15
+
+
+DIARY = re.compile(r"\b(this|last|previous|next|first|second|third|[a-z]+th) sessions?\b", re.I)
+
+
+def test_no_session_diary_in_the_docs():
+    """The docs say what is true now; history lives in git. (docs/design.md and the kernels README
+    are kept by their own owners.)"""
+    own = [README, *(p for p in DOCS if p.name != "design.md")]
+    bad = [f"{where(p, i)}: {line.strip()[:80]}" for p in own for i, line in enumerate(p.read_text().splitlines(), 1)
+           if DIARY.search(line) and "ray session" not in line.lower()]
+    assert bad == [], "diary phrasing:\n" + "\n".join(bad)
 
 
 # ---- (a) the notebook -------------------------------------------------------------------------

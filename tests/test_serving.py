@@ -160,6 +160,7 @@ def test_echo_prompt_logprobs_equal_generate(client, tmp_path):
     for got, want in zip(ch.logprobs.token_logprobs[1:], ref[1:]):
         assert got == pytest.approx(want["logprob"], abs=1e-5)
     assert ch.logprobs.tokens[1:] == [e["token"] for e in ref[1:]]
+    assert "".join(ch.logprobs.tokens) == prompt  # the first token is named too (its logprob is None)
 
 
 def test_seeded_request_equals_generate_with_that_seed(client, tmp_path):

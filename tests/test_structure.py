@@ -1,5 +1,6 @@
 """The package's layering, checked from the source: no import cycles (module-level or inside
-functions), nothing imports a command, and the lower layers never reach up (DESIGN.md)."""
+functions), nothing imports a command, the lower layers never reach up, and the product never
+imports the benchmarks (DESIGN.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "tinyllm_cli"
+BENCHMARKS = PKG.parent / "benchmarks"
 
 # Layers that must not import the ones named (by module prefix).
 FORBIDDEN = {
@@ -36,22 +38,23 @@ ENGINE_CODE = ("tinyllm_cli.engine", "tinyllm_cli.cache", "tinyllm_cli.model", "
 HTTP_CLIENTS = ("tinyllm_cli.loadgen", "tinyllm_cli.commands.load", "tinyllm_cli.traces")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
+def module_name(path: Path, pkg: Path = PKG) -> str:
+    parts = path.relative_to(pkg.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in PKG.rglob("*.py")}
+def modules(pkg: Path = PKG) -> dict[str, Path]:
+    return {module_name(p, pkg): p for p in pkg.rglob("*.py")}
 
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """Every tinyllm_cli module ``name`` imports, anywhere in the file."""
+    """Every module of ``name``'s own package that it imports, anywhere in the file."""
+    top = name.split(".")[0]
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("tinyllm_cli")}
+            out |= {a.name for a in node.names if a.name.split(".")[0] == top}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")
@@ -59,7 +62,7 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if not target.startswith("tinyllm_cli"):
+            if target.split(".")[0] != top:
                 continue
             for a in node.names:  # `from .engine import sampler` imports a module
                 sub = f"{target}.{a.name}"
@@ -67,8 +70,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     return {m for m in out if m in known and m != name}
 
 
-def graph() -> dict[str, set[str]]:
-    mods = modules()
+def graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    mods = modules(pkg)
     return {n: imports_of(n, p, set(mods)) for n, p in mods.items()}
 
 
@@ -120,6 +123,12 @@ def test_no_import_cycles():
     assert cycles(graph()) == []
 
 
+def test_no_import_cycles_in_the_benchmarks():
+    g = graph(BENCHMARKS)
+    assert "benchmarks.engines.llamacpp" in g["benchmarks.runs"]  # the checker sees relative imports there
+    assert cycles(g) == []
+
+
 def test_nothing_imports_a_command():
     g = graph()
     bad = [(m, t) for m, ts in g.items() for t in ts
@@ -159,4 +168,32 @@ def test_the_load_generator_reaches_no_engine_code():
     assert "tinyllm_cli.loadgen.run" in clients and "tinyllm_cli.commands.load" in clients
     bad = sorted((m, t) for m in clients for t in reachable(g, m)
                  if any(t == e or t.startswith(e + ".") for e in ENGINE_CODE))
+    assert bad == []
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The first component of every absolute module a file imports, anywhere in it."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_the_product_never_imports_the_benchmarks():
+    """Benchmarks are not the product: the cross-engine comparison lives in benchmarks/, which
+    imports tinyllm_cli, never the other way."""
+    assert (BENCHMARKS / "compare.py").is_file()  # the check looks where the benchmarks are
+    assert "tinyllm_cli" in top_level_imports(BENCHMARKS / "engines" / "tinyllm.py")  # it sees imports
+    bad = sorted(str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py") if "benchmarks" in top_level_imports(p))
+    assert bad == []
+
+
+def test_the_benchmark_workers_import_neither_package():
+    """A worker runs under another engine's venv, where neither package is installed."""
+    workers = sorted((BENCHMARKS / "workers").glob("*.py"))
+    assert len(workers) == 3
+    bad = [p.name for p in workers if top_level_imports(p) & {"tinyllm_cli", "benchmarks"}]
     assert bad == []

@@ -206,7 +206,7 @@ def workload_counts(prompt_lens: Sequence[int], output_len: int, n: int = 1,
 
 def workload_work(cfg, prompt_lens: Sequence[int], output_len: int, *, weight_bytes: int, kv_elem_bytes: int,
                   n: int = 1, max_prefill_tokens: int | None = None) -> Work:
-    """Any engine's work for a workload (``scripts/compare_engines.py`` divides it by each
+    """Any engine's work for a workload (``python -m benchmarks.compare`` divides it by each
     engine's wall time). ``weight_bytes``: ``dense_weight_bytes(cfg, 4 or 2)`` for float32 or
     bfloat16 weights, the file's actual bytes for a quantized one; ``kv_elem_bytes``: the K/V
     dtype's bytes (the model dtype's in tinyllm)."""

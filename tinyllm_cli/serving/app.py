@@ -165,7 +165,7 @@ class Handler:
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         except Closed as e:
             raise ApiError(503, f"the server takes no new requests: {e}", "server_error")
-        watch = Watch(self.front, self.metrics, call, tickets)
+        watch = Watch(self.front, self.metrics, call, tickets, self.tok)
         # Wait for each request's first event before answering: a refusal is still a 4xx then.
         firsts = [await watch.next(i, http) for i in range(len(tickets))]
         for first in firsts:
@@ -176,7 +176,7 @@ class Handler:
                 watch.abort_all()
                 raise ApiError(500, first.error, "server_error")
         if call.stream:
-            return StreamingResponse(watch.sse(firsts, self.tok), media_type="text/event-stream",
+            return StreamingResponse(watch.sse(firsts), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(await watch.whole(firsts, http))
 
@@ -262,8 +262,8 @@ class Call:
 class Watch:
     """The events of one call's engine requests, turned into one answer or one stream."""
 
-    def __init__(self, front: EngineFront, metrics: Metrics, call: Call, tickets):
-        self.front, self.metrics, self.call, self.tickets = front, metrics, call, tickets
+    def __init__(self, front: EngineFront, metrics: Metrics, call: Call, tickets, tokenizer):
+        self.front, self.metrics, self.call, self.tickets, self.tok = front, metrics, call, tickets, tokenizer
         self.open = {t.request.id for t in tickets}
         self.first_token: dict[object, float] = {}
         self.last_token: dict[object, float] = {}
@@ -340,10 +340,25 @@ class Watch:
             if ch["logprobs"] is not None:
                 ch["logprobs"] = completion_logprobs([])
         if c.echo:
-            ch["text"] = (out.prompt or "") + ch["text"] if ch.get("text") is not None else None
+            ch["text"] = self._prompt_text(out) + ch["text"] if ch.get("text") is not None else None
             if ch["logprobs"] is not None:
-                ch["logprobs"] = _echo_logprobs(out.prompt_logprobs, ch["logprobs"])
+                ch["logprobs"] = self._echo_logprobs(out, ch["logprobs"])
         return ch
+
+    def _echo_logprobs(self, out: RequestOutput, out_lps: dict) -> dict:
+        """The completions logprobs with the prompt's tokens in front (the first token has no
+        logprob: nothing predicts it)."""
+        ids, pl = out.prompt_token_ids, out.prompt_logprobs or []
+        tokens = [e["token"] if e else (self.tok.decode([t]) if self.tok else None) for e, t in zip(pl, ids)]
+        head = {"tokens": tokens, "token_logprobs": [e["logprob"] if e else None for e in pl],
+                "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} if e else None for e in pl]}
+        return {k: head[k] + out_lps[k] for k in head}
+
+    def _prompt_text(self, r: Request | RequestOutput) -> str:
+        """The prompt as text, for ``echo`` (token-id prompts are decoded)."""
+        if r.prompt is not None:
+            return r.prompt
+        return self.tok.decode(r.prompt_token_ids) if self.tok is not None else ""
 
     def _usage(self, outs: list[RequestOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in outs)
@@ -352,11 +367,11 @@ class Watch:
 
     # ---- a stream ---------------------------------------------------------------------------
 
-    async def sse(self, firsts, tok):
+    async def sse(self, firsts):
         """Server-Sent Events: role (chat), pieces as they come, the finish, usage when asked,
         ``[DONE]``; an error after the stream began is one error event, then the end."""
         c = self.call
-        streams = [[ChoiceStream(tok, r.params.stop) for _ in range(c.n)] for r in c.requests]
+        streams = [[ChoiceStream(self.tok, r.params.stop) for _ in range(c.n)] for r in c.requests]
         outs: list[RequestOutput | None] = [None] * len(c.requests)
         queue: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.create_task(self._pump(i, ev, queue)) for i, ev in enumerate(firsts)]
@@ -367,7 +382,7 @@ class Watch:
             if c.echo:
                 for i, r in enumerate(c.requests):
                     for k in range(c.n):
-                        yield self._chunk(i * c.n + k, r.prompt or "", None, None)
+                        yield self._chunk(i * c.n + k, self._prompt_text(r), None, None)
             left = len(c.requests)
             while left:
                 i, ev = await queue.get()
@@ -430,15 +445,6 @@ class Watch:
             lps = chat_logprobs(p.logprobs) if c.chat else completion_logprobs(p.logprobs)
         extra = {"token_ids": p.token_ids} if p.text is None else None
         return self._chunk(index, p.text or "", lps, reason, extra)
-
-
-def _echo_logprobs(prompt_lps: list | None, out_lps: dict) -> dict:
-    """The completions logprobs with the prompt's tokens in front (the first has none)."""
-    pl = prompt_lps or []
-    head = {"tokens": [e["token"] if e else None for e in pl],
-            "token_logprobs": [e["logprob"] if e else None for e in pl],
-            "top_logprobs": [{a["token"]: a["logprob"] for a in e["top_logprobs"]} if e else None for e in pl]}
-    return {k: head[k] + out_lps[k] for k in head}
 
 
 def _fingerprint(c: Call) -> str:

