@@ -26,11 +26,13 @@ import pytest
 
 from tinyllm_cli.kernels import cache_root
 
+from conftest import wait_s
+
 ray = pytest.importorskip("ray", reason="the tinyllm[ray] extra is part of the test extra")
 psutil = pytest.importorskip("psutil")
 
 ROOT = Path(__file__).resolve().parents[1]
-START_S = 120  # bounded waits for `ray start` and for runs
+START_S = wait_s(180)  # the bound on `ray start` and on each run (conftest.wait_s)
 
 # Installed only on the second node (its PYTHONPATH): every Python process there, Ray workers
 # included, refuses to open anything under TINYLLM_FORBID and logs its pid, so a worker that
@@ -73,7 +75,7 @@ def kill_tree_under(marker: str) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=10)
+    psutil.wait_procs(procs, timeout=wait_s(10))
 
 
 def base_env(**extra) -> dict:
@@ -191,7 +193,7 @@ def test_missing_extra_is_one_sentence_exit_2(tmp_path, llama_dir):
     p = prompts_file(tmp_path / "p.jsonl", 2, 4)
     out = tmp_path / "out.jsonl"
     r = subprocess.run([sys.executable, "-c", code, "generate", "-p", str(p), "--model", str(llama_dir),
-                        "--workers", "2", "-o", str(out)], capture_output=True, text=True, timeout=120,
+                        "--workers", "2", "-o", str(out)], capture_output=True, text=True, timeout=START_S,
                        env=base_env())
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [

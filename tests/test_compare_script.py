@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import wait_s
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "compare_engines.py"
 DATA = Path(__file__).resolve().parent / "data" / "llamacpp"
@@ -42,7 +44,7 @@ ce = _load_script()
 def _run(args, tmp_path):
     env = os.environ | {"PYTHONPATH": str(REPO), "TINYLLM_COMPARE_CACHE": str(tmp_path / "cache")}
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+                          timeout=wait_s(600))
 
 
 def test_quick_compare_tinyllm_and_transformers(llama_dir, tmp_path):
@@ -353,7 +355,7 @@ def test_a_worker_that_exits_is_skipped_with_its_last_words(tmp_path):
     crash = [sys.executable, "-c", "import sys; sys.stderr.write('Traceback (most recent call last):\\n"
              "RuntimeError: expect kvcache type f32, current: bf16\\n\\n'); sys.exit(1)"]
     with pytest.raises(ce.Skip, match=r"worker exited: RuntimeError: expect kvcache type f32, current: bf16 \(see "):
-        ce.WorkerEngine(crash, dict(os.environ), log, timeout=60)
+        ce.WorkerEngine(crash, dict(os.environ), log, timeout=wait_s(60))
     silent = [sys.executable, "-c", "import time; time.sleep(5)"]
     with pytest.raises(ce.Skip, match="worker hung"):
         ce.WorkerEngine(silent, dict(os.environ), log, timeout=0.5)
@@ -373,7 +375,7 @@ def _states(pids, want_stopped: bool) -> list[str]:
     is acted on after kill() returns."""
     def states():
         return [_state(p) for p in pids]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + wait_s(5)
     while any((s == "T") != want_stopped for s in states()) and time.monotonic() < deadline:
         time.sleep(0.02)
     return states()
@@ -393,8 +395,8 @@ def test_only_the_timed_engine_runs_the_others_workers_are_stopped(tmp_path):
         "    print('@@RESULT ' + json.dumps({'elapsed_s': 0.25, 'token_ids': [[1] * n]}), flush=True)\n"
         "child.kill()\n")
     log = tmp_path / "runs.log"
-    a = ce.WorkerEngine([sys.executable, str(script)], dict(os.environ), log, timeout=60)
-    b = ce.WorkerEngine([sys.executable, str(script)], dict(os.environ), log, timeout=60)
+    a = ce.WorkerEngine([sys.executable, str(script)], dict(os.environ), log, timeout=wait_s(60))
+    b = ce.WorkerEngine([sys.executable, str(script)], dict(os.environ), log, timeout=wait_s(60))
     pids = {"a": (a.proc.pid, a.info["child"]), "b": (b.proc.pid, b.info["child"])}
     try:
         engines = {"tinyllm": _FakeEngine("tinyllm"), "a": a, "b": b}
@@ -418,7 +420,7 @@ def _gone(pids) -> bool:
     polled up to 20 s."""
     def alive(p):
         return _state(p) not in (None, "Z")
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + wait_s(20)
     while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not any(map(alive, pids))
@@ -498,7 +500,7 @@ def test_termination_ends_a_run_as_ctrl_c_does(sig):
             f"    os.kill(os.getpid(), signal.{sig}); time.sleep(10); print('not interrupted')\n"
             "except KeyboardInterrupt:\n"
             "    print('interrupted')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=wait_s(60))
     assert out.stdout.strip() == "interrupted", out.stderr
 
 

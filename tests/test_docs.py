@@ -33,6 +33,7 @@ import typer.main
 
 from tinyllm_cli import cli as cli_module
 from tinyllm_cli.cli import main
+from conftest import wait_s
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -290,7 +291,7 @@ def test_documented_scripts_make_targets_and_modules_exist():
                 continue
             if c.program not in scripts:
                 r = subprocess.run([sys.executable, c.program, "--help"], cwd=ROOT, capture_output=True, text=True,
-                                   timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                   timeout=wait_s(120), env={**os.environ, "PYTHONPATH": str(ROOT)})
                 assert r.returncode == 0, f"{c.program} --help failed: {r.stderr[-500:]}"
                 scripts[c.program] = set(re.findall(r"--[\w-]+", r.stdout))
             bad = [a.split("=")[0] for a in c.argv if a.startswith("--") and a.split("=")[0] not in scripts[c.program]]
