@@ -541,10 +541,10 @@ def test_a_request_that_raises_inside_a_worker_is_its_own_error_line(tmp_path, l
     assert all(w["status"] == "ok" for w in s["workers"])
 
 
-def test_structured_greedy_outputs_equal_on_one_and_two_workers(tmp_path):
-    """Constrained requests (schema, regex, choice) on a local 2-worker instance of the default
-    model: each worker builds its own grammar compiler from the pickled tokenizer, and the greedy
-    outputs equal the in-process run's."""
+def test_structured_greedy_outputs_equal_on_one_and_two_workers(cluster, tmp_path):
+    """Constrained requests (schema, regex, choice) on two workers of the module's cluster, with
+    the default model: each worker builds its own grammar compiler from the pickled tokenizer,
+    and the greedy outputs equal the in-process run's."""
     pytest.importorskip("xgrammar")
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -556,11 +556,10 @@ def test_structured_greedy_outputs_equal_on_one_and_two_workers(tmp_path):
         {"id": "c1", "prompt": "Yes or no?", "choice": ["yes", "no"]},
         {"id": "s2", "prompt": "Another colour and digit.", "json_schema": schema}]) + "\n")
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    env = base_env(HOME=str(tmp_path))
     flags = ("--max-new-tokens", 32, "-q")
-    subprocess.run(cli("generate", "-p", p, *flags, "-o", ref), check=True, timeout=START_S, env=env)
-    r = subprocess.run(cli("generate", "-p", p, *flags, "-o", out, "--workers", 2), capture_output=True,
-                       text=True, timeout=START_S, env=env)
+    subprocess.run(cli("generate", "-p", p, *flags, "-o", ref), check=True, timeout=START_S,
+                   env=base_env(HOME=str(tmp_path)))
+    r = run_cluster(cluster, "generate", "-p", p, *flags, "-o", out, "--workers", 2)
     assert r.returncode == 0, r.stderr
     rows = without_metrics(out)
     assert rows == without_metrics(ref)
