@@ -29,9 +29,9 @@ SETTINGS = dict(max_num_seqs=16, block_size=16)
 
 
 def run_sweep() -> list[dict]:
-    cmd = ["tinyllm", "simulate", "--num-requests", "32", "--input-len", "32", "--output-len", "128",
+    cmd = ["tinyllm", "simulate", "--num-prompts", "32", "--input-len", "32", "--output-len", "128",
            "--workload-seed", "1", "--max-num-seqs", "16", "--sweep", "num_blocks=" + ",".join(map(str, SWEEP)),
-           "--stats-json", str(DOCS / "sim-example-sweep.json"), "--plot", str(DOCS / "sim-example-sweep.png"),
+           "--json", str(DOCS / "sim-example-sweep.json"), "--plot", str(DOCS / "sim-example-sweep.png"),
            "--save-trace", str(DOCS / "sim-example-trace.jsonl"), "-q"]
     print("$ " + " ".join(cmd), file=sys.stderr)
     subprocess.run([sys.executable, "-m", "tinyllm_cli", *cmd[1:]], check=True)

@@ -1,11 +1,20 @@
 """Shared fixtures: tiny random Llama / Qwen2 checkpoints saved by transformers (the independent
-reference), and the real default model loaded once per session."""
+reference), and the real default model loaded once per session; and ``wait_s``, the one bound on
+every wait for something that will happen (a subprocess, a result line, a process to stop).
+
+Bounded waits are not deadlines: a test that hits one has hung, whatever the host. Each base
+figure is a few times what the wait takes on an idle development host, and ``wait_s`` scales it
+by ``TIMEOUT_SCALE``: ``TINYLLM_TEST_TIMEOUT_SCALE`` where set, else this host's measured
+slowness at the session's start (CPU time of a fixed Python loop over the development host's;
+never below 1), so a slower interpreter gets proportionally longer bounds.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -20,10 +29,50 @@ from tinyllm_cli.model.llama import build_model
 
 torch.set_num_threads(2)
 
+# CPU seconds of ``_python_loop()`` on the development host (AMD EPYC, Python 3, idle or busy alike:
+# CPU time does not count the waits for a shared core).
+REFERENCE_LOOP_CPU_S = 0.036
+TIMEOUT_SCALE = 1.0
+_SCALE_SOURCE = "not measured yet"
+
+
+def _python_loop() -> float:
+    start = time.process_time()
+    x = 0
+    for i in range(1_000_000):
+        x += i * i % 7
+    return time.process_time() - start
+
+
+def timeout_scale() -> tuple[float, str]:
+    """(scale, where it came from): the environment's TINYLLM_TEST_TIMEOUT_SCALE, else measured."""
+    given = os.environ.get("TINYLLM_TEST_TIMEOUT_SCALE")
+    if given is not None:
+        try:
+            scale = float(given)
+        except ValueError:
+            scale = 0.0
+        if not scale > 0:
+            raise pytest.UsageError(f"TINYLLM_TEST_TIMEOUT_SCALE must be a positive number, not {given!r}")
+        return scale, "TINYLLM_TEST_TIMEOUT_SCALE"
+    measured = min(_python_loop() for _ in range(3))
+    return max(1.0, measured / REFERENCE_LOOP_CPU_S), f"this host's Python loop took {measured:.3f} CPU s"
+
+
+def wait_s(seconds: float) -> float:
+    """The bound on a wait that takes a fraction of ``seconds`` on the development host, on this one."""
+    return seconds * TIMEOUT_SCALE
+
 
 def pytest_configure(config):
+    global TIMEOUT_SCALE, _SCALE_SOURCE
+    TIMEOUT_SCALE, _SCALE_SOURCE = timeout_scale()
     config.addinivalue_line("markers", "needs_kernels: calls tinyllm's CPU kernels: fails where they should "
                                        "have built and did not, skips where they are not expected")
+
+
+def pytest_report_header(config):
+    return f"bounded waits scaled x{TIMEOUT_SCALE:.2f} ({_SCALE_SOURCE})"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -87,7 +136,7 @@ def run_without_kernels(code: str) -> subprocess.CompletedProcess:
     """``python -c code`` with TINYLLM_KERNELS=0, in a fresh process (kernels load once per
     process); it must exit 0."""
     env = {**os.environ, "TINYLLM_KERNELS": "0"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=wait_s(120))
     assert p.returncode == 0, p.stderr
     return p
 

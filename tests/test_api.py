@@ -19,6 +19,8 @@ import pytest
 from tinyllm_cli import LLM, RunSummary, SamplingParams, UsageError
 from test_cli import cli
 
+from conftest import wait_s
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -212,7 +214,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_sampled_run(llama_
 
 def test_importing_the_package_loads_no_torch():
     code = "import sys, tinyllm_cli, tinyllm_cli.cli; print('torch' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=wait_s(60),
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.stdout.strip() == "False", r.stderr
 
@@ -224,7 +226,7 @@ def test_loading_a_model_and_generating_never_imports_torch_dynamo(llama_dir):
             f"with LLM(model={str(llama_dir)!r}, max_new_tokens=3, ignore_eos=True, progress=False) as llm:\n"
             "    out = llm.generate([[5, 6, 7]], use_tqdm=False)\n"
             "print(len(out[0].token_ids), 'torch._dynamo' in sys.modules)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=wait_s(300),
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["3", "False"], r.stdout + r.stderr[-2000:]

@@ -36,6 +36,7 @@ from tinyllm_cli.cli import main
 from tinyllm_cli.errors import CheckpointError
 from tinyllm_cli.model import hub, validate
 from tinyllm_cli.model.checkpoint import load_checkpoint
+from conftest import wait_s
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
@@ -242,7 +243,7 @@ def test_aliased_tensor_data_does_not_grow_memory(tmp_path):
         "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
         "print(json.dumps({'err': err, 'code': code, 'grown_kib': grown}))\n")
     p = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
-                       env=SUB_ENV, cwd=Path(__file__).parents[1], timeout=300)
+                       env=SUB_ENV, cwd=Path(__file__).parents[1], timeout=wait_s(300))
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["err"] and "share data bytes" in res["err"] and res["code"] == 2

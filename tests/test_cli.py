@@ -148,6 +148,10 @@ def test_default_config_file_matches_builtin():
     (["bench", "--block-size", "8,x"], 2, "--block-size"),
     (["bench", "--repeat", "0"], 2, "--repeat"),
     (["inspect-blocks", "--at", "soon"], 2, "--at"),
+    (["inspect-blocks", "--num-prefixes", "0"], 2, "--num-prefixes"),
+    (["bench", "--profile", "--torch-profile"], 2, "give --torch-profile only"),
+    (["simulate", "--num-requests", "5", "--num-prompts", "5"], 2, "give --num-prompts only"),
+    (["simulate", "--sweep", "block_size=8,16", "--stats-json", "s.json"], 2, "--json"),
 ])
 def test_usage_errors(capsys, args, code, needle):
     got, out, err = cli(capsys, *args)
@@ -192,22 +196,68 @@ def test_inspect_blocks_snapshot(capsys, llama_dir, tmp_path):
     assert code == 0 and json.loads(st.read_text())["num_requests"] == 2
 
 
-def test_bench_stats_json_is_the_rows(capsys, llama_dir, tmp_path):
-    st = tmp_path / "s.json"
-    code, out, _ = cli(capsys, "bench", "--model", llama_dir, "--num-prompts", 3, "--input-len", 8, "--output-len", 4,
-                       "--max-model-len", 64, "-q", "--stats-json", st)
-    rows = json.loads(st.read_text())
-    assert code == 0 and out == "" and [r["cache_kind"] for r in rows] == ["paged", "slot"]
+def test_bench_old_stats_json_spelling_writes_the_rows(capsys, llama_dir, tmp_path):
+    """bench's --stats-json is a deprecated spelling of --json: the same rows, and a note."""
+    args = ("bench", "--model", llama_dir, "--num-prompts", 3, "--input-len", 8, "--output-len", 4,
+            "--max-model-len", 64, "-q", "--no-roofline", "--no-warmup")
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    code, out, err = cli(capsys, *args, "--stats-json", old)
+    assert code == 0 and out == "" and "--stats-json is deprecated" in err
+    code, _, err = cli(capsys, *args, "--json", new)
+    assert code == 0 and "deprecated" not in err
+    rows, again = json.loads(old.read_text()), json.loads(new.read_text())
+    assert [r["cache_kind"] for r in rows] == ["paged", "slot"]
     assert all(r["num_requests"] == 3 and r["output_tokens"] == 12 for r in rows)
+    same = ("cache_kind", "block_size", "num_requests", "prompt_tokens", "output_tokens", "kv_bytes")
+    assert [{k: r[k] for k in same} for r in rows] == [{k: r[k] for k in same} for r in again]
+
+
+def test_workload_flags_have_one_default_each():
+    """Every command that takes a workload flag parses it to the same default."""
+    import typer.main
+    from tinyllm_cli.cli import app
+    root = typer.main.get_command(app)
+    flags = ("--num-prompts", "--input-len", "--output-len", "--range-ratio", "--prefix-len", "--num-prefixes",
+             "--workload-seed")
+    seen: dict[str, dict] = {}
+    for name in ("bench", "inspect-blocks", "simulate"):
+        for p in root.commands[name].params:
+            if p.opts[0] in flags:
+                seen.setdefault(p.opts[0], {})[name] = p.default
+    assert set(seen) == set(flags)
+    assert seen["--num-prompts"] == {"bench": 32, "inspect-blocks": 32, "simulate": 32}
+    for flag, per_command in seen.items():
+        assert len(set(per_command.values())) == 1, (flag, per_command)
+
+
+def test_simulate_json_is_rows_and_old_spellings_still_work(capsys, tmp_path):
+    """simulate --json writes the rows (one per sweep point, bench's shape); --num-requests and
+    --profile still work as deprecated spellings of --num-prompts and --cost-profile."""
+    from tinyllm_cli.sim.cost import default_profile_path
+    base = ("simulate", "--input-len", 16, "--output-len", 8, "-q")
+    rows, stats = tmp_path / "rows.json", tmp_path / "stats.json"
+    code, _, err = cli(capsys, *base, "--num-prompts", 6, "--cost-profile", default_profile_path(),
+                       "--json", rows, "--stats-json", stats)
+    assert code == 0 and err == ""
+    (row,) = json.loads(rows.read_text())
+    assert row == json.loads(stats.read_text()) | {"sim_wall_s": row["sim_wall_s"]}
+    assert row["num_requests"] == 6
+    code, _, err = cli(capsys, *base, "--num-requests", 6, "--profile", default_profile_path(), "--stats-json", stats)
+    assert code == 0 and "--num-requests is deprecated" in err and "--profile is deprecated" in err
+    again = json.loads(stats.read_text())
+    assert {k: again[k] for k in ("num_requests", "prompt_tokens", "output_tokens", "steps")} == \
+        {k: row[k] for k in ("num_requests", "prompt_tokens", "output_tokens", "steps")}
+    code, _, _ = cli(capsys, *base, "--num-prompts", 4, "--sweep", "block_size=8,16", "--json", rows)
+    assert code == 0 and [r["sweep"] for r in json.loads(rows.read_text())] == ["block_size=8", "block_size=16"]
 
 
 def test_bench_references_and_profile(capsys, llama_dir, tmp_path):
     """--baseline hf runs transformers on the same prompt ids; --roofline compares each row with
-    this CPU's measured matmul peak; --profile's categories partition the profiled run's wall time."""
+    this CPU's measured matmul peak; --torch-profile's categories partition the profiled run's wall time."""
     js = tmp_path / "b.json"
     code, out, err = cli(capsys, "bench", "--model", llama_dir, "--cache", "paged", "--num-prompts", 4,
                          "--input-len", 12, "--output-len", 6, "--max-model-len", 64, "--baseline", "hf",
-                         "--roofline", "--profile", "--repeat", 3, "--json", js)
+                         "--roofline", "--torch-profile", "--repeat", 3, "--json", js)
     assert code == 0 and out == ""
     (row,) = json.loads(js.read_text())
     assert row["repeats"] == 3 and sorted(row["elapsed_s_runs"])[1] == row["elapsed_s"]  # the median run

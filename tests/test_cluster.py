@@ -26,11 +26,13 @@ import pytest
 
 from tinyllm_cli.kernels import cache_root
 
+from conftest import wait_s
+
 ray = pytest.importorskip("ray", reason="the tinyllm[ray] extra is part of the test extra")
 psutil = pytest.importorskip("psutil")
 
 ROOT = Path(__file__).resolve().parents[1]
-START_S = 120  # bounded waits for `ray start` and for runs
+START_S = wait_s(180)  # the bound on `ray start` and on each run (conftest.wait_s)
 
 # Installed only on the second node (its PYTHONPATH): every Python process there, Ray workers
 # included, refuses to open anything under TINYLLM_FORBID and logs its pid, so a worker that
@@ -73,7 +75,7 @@ def kill_tree_under(marker: str) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=10)
+    psutil.wait_procs(procs, timeout=wait_s(10))
 
 
 def base_env(**extra) -> dict:
@@ -191,7 +193,7 @@ def test_missing_extra_is_one_sentence_exit_2(tmp_path, llama_dir):
     p = prompts_file(tmp_path / "p.jsonl", 2, 4)
     out = tmp_path / "out.jsonl"
     r = subprocess.run([sys.executable, "-c", code, "generate", "-p", str(p), "--model", str(llama_dir),
-                        "--workers", "2", "-o", str(out)], capture_output=True, text=True, timeout=120,
+                        "--workers", "2", "-o", str(out)], capture_output=True, text=True, timeout=START_S,
                        env=base_env())
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines() == [
@@ -539,10 +541,10 @@ def test_a_request_that_raises_inside_a_worker_is_its_own_error_line(tmp_path, l
     assert all(w["status"] == "ok" for w in s["workers"])
 
 
-def test_structured_greedy_outputs_equal_on_one_and_two_workers(tmp_path):
-    """Constrained requests (schema, regex, choice) on a local 2-worker instance of the default
-    model: each worker builds its own grammar compiler from the pickled tokenizer, and the greedy
-    outputs equal the in-process run's."""
+def test_structured_greedy_outputs_equal_on_one_and_two_workers(cluster, tmp_path):
+    """Constrained requests (schema, regex, choice) on two workers of the module's cluster, with
+    the default model: each worker builds its own grammar compiler from the pickled tokenizer,
+    and the greedy outputs equal the in-process run's."""
     pytest.importorskip("xgrammar")
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -554,11 +556,10 @@ def test_structured_greedy_outputs_equal_on_one_and_two_workers(tmp_path):
         {"id": "c1", "prompt": "Yes or no?", "choice": ["yes", "no"]},
         {"id": "s2", "prompt": "Another colour and digit.", "json_schema": schema}]) + "\n")
     ref, out = tmp_path / "ref.jsonl", tmp_path / "out.jsonl"
-    env = base_env(HOME=str(tmp_path))
     flags = ("--max-new-tokens", 32, "-q")
-    subprocess.run(cli("generate", "-p", p, *flags, "-o", ref), check=True, timeout=START_S, env=env)
-    r = subprocess.run(cli("generate", "-p", p, *flags, "-o", out, "--workers", 2), capture_output=True,
-                       text=True, timeout=START_S, env=env)
+    subprocess.run(cli("generate", "-p", p, *flags, "-o", ref), check=True, timeout=START_S,
+                   env=base_env(HOME=str(tmp_path)))
+    r = run_cluster(cluster, "generate", "-p", p, *flags, "-o", out, "--workers", 2)
     assert r.returncode == 0, r.stderr
     rows = without_metrics(out)
     assert rows == without_metrics(ref)

@@ -26,13 +26,38 @@ def gguf_path():
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path):
+def gguf_parsed_once():
+    """transformers' GGUF loading, minus its repeated work: it parses the file's header anew for
+    the config, the weights and the tokenizer, and rebuilds gguf's tensor-name table once per
+    submodule (about 400 times); together most of a minute. Both are pure functions of their
+    arguments (a read-only memory map; a table of names), so for this module each is built once.
+    What transformers computes from them (config, dequantized weights, tokenizer) is its own."""
+    import functools
+
+    gguf = pytest.importorskip("gguf")
+    readers: dict = {}
+    real_reader = gguf.GGUFReader
+
+    def reader(path, *args, **kw):
+        key = (str(path), args, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kw)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        yield
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path, gguf_parsed_once):
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
-def hf_tok(gguf_path):
+def hf_tok(gguf_path, gguf_parsed_once):
     return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 

@@ -37,6 +37,7 @@ import typer.main
 
 from tinyllm_cli import cli as cli_module
 from tinyllm_cli.cli import main
+from conftest import wait_s
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -296,7 +297,7 @@ def test_documented_scripts_make_targets_and_modules_exist():
             if c.program not in scripts:
                 argv = [c.program] if script else ["-m", c.program]
                 r = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True,
-                                   timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                   timeout=wait_s(120), env={**os.environ, "PYTHONPATH": str(ROOT)})
                 if r.returncode != 0:
                     failures.append(f"{at}\n    {c.program} --help failed: {r.stderr[-300:]}")
                     continue

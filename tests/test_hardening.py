@@ -36,6 +36,7 @@ from tinyllm_cli.errors import UsageError
 from tinyllm_cli.io import ALIASES, REQUEST_KEYS, SAMPLING_KEYS, RequestBuilder, check_prompt_file, read_records, record_id
 from tinyllm_cli.model.checkpoint import default_model_path
 from tinyllm_cli.openai_batch import BadLine, decode_line, parse_request
+from conftest import wait_s
 
 VOCAB = 320  # llama_dir's vocabulary
 SUB_ENV = dict(os.environ, OMP_NUM_THREADS="1")  # subprocesses: no thread oversubscription on 2 cores
@@ -302,7 +303,7 @@ def test_request_larger_than_pool_and_pool_pressure_terminate(tmp_path, llama_di
     p = write_lines(tmp_path / "p.jsonl", rows)
     r = subprocess.run([sys.executable, "-m", "tinyllm_cli", "generate", "-p", str(p), "--model", str(llama_dir),
                         "-q", "--num-blocks", "4", "--block-size", "4", "--max-num-seqs", "2", "--ignore-eos"],
-                       capture_output=True, text=True, timeout=120, env=SUB_ENV)
+                       capture_output=True, text=True, timeout=wait_s(120), env=SUB_ENV)
     assert r.returncode == 0 and r.stderr == ""
     res = {x["id"]: x for x in jsonl(r.stdout)}
     assert list(res) == ["huge", "g0", "g1", "g2", "g3"]
@@ -323,7 +324,7 @@ def test_kv_budget_too_large_is_refused_before_allocating(capsys, tmp_path, llam
     t0 = time.perf_counter()
     code, out, err = cli(capsys, "generate", "-p", prompts, "--model", llama_dir, "-q", "--cache", kind,
                          "--kv-memory", "100000GiB")
-    assert time.perf_counter() - t0 < 20
+    assert time.perf_counter() - t0 < wait_s(20)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 1 << 20  # KiB: < 1 GiB more
     assert code == 2
     # 100000 GiB = 102400000 MiB (the pool plus one scratch block/slot rounds to the same MiB)
@@ -341,7 +342,7 @@ def long_run(tmp_path_factory, llama_dir):
     args = [sys.executable, "-m", "tinyllm_cli", "generate", "-p", str(prompts), "--model", str(llama_dir),
             "--ignore-eos", "-q", "--max-num-seqs", "8", "--block-size", "8"]
     ref = d / "ref.jsonl"
-    subprocess.run(args + ["-o", str(ref)], check=True, timeout=300, env=SUB_ENV)
+    subprocess.run(args + ["-o", str(ref)], check=True, timeout=wait_s(300), env=SUB_ENV)
     return prompts, args, jsonl(ref.read_text())
 
 
@@ -350,12 +351,12 @@ def test_interrupt_keeps_finished_results_and_resume_completes(tmp_path, long_ru
     prompts, args, ref = long_run
     out = tmp_path / "out.jsonl"
     p = subprocess.Popen(args + ["-o", str(out)], stderr=subprocess.PIPE, text=True, env=SUB_ENV)
-    deadline = time.time() + 120
+    deadline = time.monotonic() + wait_s(120)
     while not (out.exists() and out.stat().st_size > 0):
-        assert p.poll() is None and time.time() < deadline, "the run ended before any result was written"
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended before any result was written"
         time.sleep(0.005)
     p.send_signal(sig)
-    assert p.wait(timeout=60) == code
+    assert p.wait(timeout=wait_s(60)) == code
     err = p.stderr.read()
     assert err.count("\n") == 1 and "--resume" in err and "Traceback" not in err
     data = out.read_bytes()
@@ -365,7 +366,7 @@ def test_interrupt_keeps_finished_results_and_resume_completes(tmp_path, long_ru
     assert f" {len(rows)} finished results are in" in err
     by_id = {r["id"]: r for r in strip_metrics(ref)}
     assert all(by_id[r["id"]] == r for r in strip_metrics(rows))  # each result is the final one
-    r = subprocess.run(args + ["-o", str(out), "--resume"], capture_output=True, text=True, timeout=300, env=SUB_ENV)
+    r = subprocess.run(args + ["-o", str(out), "--resume"], capture_output=True, text=True, timeout=wait_s(300), env=SUB_ENV)
     assert r.returncode == 0 and r.stderr == ""
     assert strip_metrics(jsonl(out.read_text())) == strip_metrics(ref)
 
@@ -438,7 +439,7 @@ def test_disk_full_mid_line_leaves_whole_lines(tmp_path, llama_dir):
 
     r = subprocess.run([sys.executable, "-m", "tinyllm_cli", "generate", "-p", str(p), "--model", str(llama_dir),
                         "-q", "-o", str(out)], preexec_fn=small_disk, capture_output=True, text=True,
-                       timeout=120, env=SUB_ENV)
+                       timeout=wait_s(120), env=SUB_ENV)
     assert r.returncode == 1
     assert_one_sentence(r.stdout, r.stderr, "cannot write results", "intact")
     data = out.read_bytes()
@@ -512,12 +513,10 @@ def test_progress_bar_counts_the_prompts_first(capsys, tmp_path, llama_dir):
 # ---- fuzz: reader, builder, engine admission, serve parser, config ----------------------------
 
 @pytest.fixture(scope="module")
-def real_tokenizer():
-    """The default model's tokenizer and chat template, read from the GGUF header (no weights)."""
-    import gguf
-    from tinyllm_cli.model import checkpoint as ck
-    r = gguf.GGUFReader(str(default_model_path()))
-    return ck._gguf_tokenizer(r, ck._gguf_config(r))
+def real_tokenizer(default_checkpoint):
+    """The default model's tokenizer and chat template: the session's checkpoint's (loaded once
+    for every module that needs the default model)."""
+    return default_checkpoint.tokenizer
 
 
 @pytest.fixture(scope="module")

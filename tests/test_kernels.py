@@ -21,7 +21,7 @@ from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
 from tinyllm_cli.machine import cpu_flags_line
 from tinyllm_cli.model.llama import apply_rope, fused_layer_args, use_native_ops
 
-from conftest import run_without_kernels
+from conftest import run_without_kernels, wait_s
 from test_engine import make_requests, preempting_blocks, reference_greedy, run
 
 # Only the tests that call the kernels carry this: where they did not build, conftest fails those
@@ -193,7 +193,7 @@ for dtype in (torch.float32, torch.bfloat16):
     t.test_paged_attention_prefill_rows_match_causal_sdpa(dtype, 16)
 print("ok", len(t.BLOCK_CASES))
 """
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=wait_s(600),
                        env=os.environ | {"PYTHONPATH": str(Path(__file__).parent.parent)})
     assert p.returncode == 0 and p.stdout.strip() == f"ok {len(BLOCK_CASES)}", p.stderr[-3000:]
 
@@ -436,7 +436,7 @@ def test_a_failed_build_falls_back_with_the_compilers_reason(tmp_path):
             "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
             "print(kernels.load(), PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n")
     env = {**os.environ, "TINYLLM_KERNEL_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=wait_s(120))
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["False", "gather"]
     assert not stale.exists()
@@ -452,13 +452,13 @@ def test_the_kernels_module_exit_status_says_whether_they_built(tmp_path):
     env.pop("TINYLLM_ALLOW_NO_KERNELS", None)
     env.pop("TINYLLM_KERNELS", None)
     failed = subprocess.run([sys.executable, "-m", "tinyllm_cli.kernels"], capture_output=True, text=True, env=env,
-                            timeout=120)
+                            timeout=wait_s(120))
     assert failed.returncode == 1 and failed.stdout == ""
     assert "not built" in failed.stderr and "no C++ compiler" in failed.stderr
     assert "TINYLLM_ALLOW_NO_KERNELS=1" in failed.stderr
     env["TINYLLM_ALLOW_NO_KERNELS"] = "1"
     allowed = subprocess.run([sys.executable, "-m", "tinyllm_cli.kernels"], capture_output=True, text=True, env=env,
-                             timeout=120)
+                             timeout=wait_s(120))
     assert allowed.returncode == 0 and allowed.stdout == ""
     assert "not built" in allowed.stderr and "PyTorch path" in allowed.stderr
 
@@ -539,7 +539,7 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path, fake_toolchain,
     assert (directory / "lock").exists() and (directory / "k.so").read_bytes() == b"half"
     start = time.monotonic()
     assert kernels._load_from(directory, "k") is None
-    assert time.monotonic() - start < 10 and fake_toolchain == ["build"]  # rebuilt at once, not waited for
+    assert time.monotonic() - start < wait_s(10) and fake_toolchain == ["build"]  # rebuilt at once, not waited for
     assert "waiting" not in capsys.readouterr().err
     assert kernels._load_from(directory, "k") is None and fake_toolchain == ["build", "load"]  # now complete
 
@@ -551,7 +551,7 @@ def test_a_live_build_is_waited_for_and_its_library_loaded(tmp_path, fake_toolch
     try:
         assert kernels._load_from(directory, "k") is None
     finally:
-        builder.wait(timeout=60)
+        builder.wait(timeout=wait_s(60))
     assert fake_toolchain == ["load"]  # the other process's build, not a second one
     assert f"waiting for another process that is building tinyllm's kernels (pid {builder.pid})" in \
         capsys.readouterr().err
@@ -572,7 +572,7 @@ def test_a_build_that_outlasts_the_wait_leaves_the_pytorch_path_and_one_note(tmp
     env = {**os.environ, "TINYLLM_KERNEL_CACHE": str(tmp_path)}
     env.pop("TINYLLM_KERNELS", None)
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=wait_s(120))
     finally:
         builder.kill()
         builder.wait()

@@ -40,7 +40,7 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
 
-from conftest import LLAMA_SHAPE, QWEN2_SHAPE  # noqa: E402
+from conftest import LLAMA_SHAPE, QWEN2_SHAPE, wait_s  # noqa: E402
 from test_engine import make_requests, preempting_blocks, run  # noqa: E402
 from test_gguf_roundtrip import _k_blocks, _permute  # noqa: E402
 from test_model_vs_hf import (LLAMA3_SCALING, _assert_logits_match, _hf, _hf_greedy, _ours,  # noqa: E402
@@ -500,11 +500,11 @@ def test_cli_uses_hf_home_and_offline_env(hub_cache, shapes, tmp_path):
     env = {**os.environ, "HF_HOME": str(hub_cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(tinyllm_cli.__file__).parents[1])}
     env.pop("HF_HUB_CACHE", None)
     run = [sys.executable, "-m", "tinyllm_cli", "generate", "-p", str(prompts), "-q"]
-    ok = subprocess.run(run + ["--model", "org/tiny"], env=env, capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(run + ["--model", "org/tiny"], env=env, capture_output=True, text=True, timeout=wait_s(300))
     assert ok.returncode == 0, ok.stderr
     row = json.loads(ok.stdout)
     assert row["num_output_tokens"] == 3  # the Qwen3 snapshot on main, with its ChatML template:
     assert row["prompt_token_ids"][0] == shapes["qwen3"][1]["<|im_start|>"]
-    bad = subprocess.run(run + ["--model", "org/missing@v3"], env=env, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(run + ["--model", "org/missing@v3"], env=env, capture_output=True, text=True, timeout=wait_s(300))
     assert bad.returncode == 1 and bad.stdout == ""
     assert len(bad.stderr.strip().splitlines()) == 1 and "not in the Hugging Face cache" in bad.stderr

@@ -246,8 +246,8 @@ def test_simulate_sweep_plot_is_labelled_by_the_swept_setting(capsys, tmp_path):
     """A `simulate --sweep num_blocks=...` figure puts the pool sizes on the x axis (not the one
     block size every point shares) and says it was simulated."""
     js, svg = tmp_path / "s.json", tmp_path / "s.svg"
-    code, _, _ = cli(capsys, "simulate", "--num-requests", 24, "--input-len", 32, "--output-len", 16,
-                     "--sweep", "num_blocks=24,48,96", "--stats-json", js, "-q")
+    code, _, _ = cli(capsys, "simulate", "--num-prompts", 24, "--input-len", 32, "--output-len", 16,
+                     "--sweep", "num_blocks=24,48,96", "--json", js, "-q")
     assert code == 0
     code, _, err = cli(capsys, "plot", js, "-o", svg)
     assert code == 0, err

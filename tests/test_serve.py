@@ -14,6 +14,8 @@ import pytest
 from tinyllm_cli.cli import main
 from tinyllm_cli.workload import poisson_gaps
 
+from conftest import wait_s
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 FAST = ["--device", "cpu", "--num-blocks", "128", "--max-new-tokens", "8"]
 
@@ -78,7 +80,8 @@ class Serving:
         self.p.stdin.write("".join(lines))
         self.p.stdin.flush()
 
-    def read(self, n: int, timeout: float = 60) -> list[dict]:
+    def read(self, n: int, timeout: float | None = None) -> list[dict]:
+        timeout = wait_s(60) if timeout is None else timeout
         try:
             return [json.loads(self.lines.get(timeout=timeout)) for _ in range(n)]
         except queue.Empty:
@@ -105,7 +108,7 @@ def test_streaming_stdin_answers_before_later_lines_are_written(llama_dir):
         s.send(*(line(f"late-{i}", prompt=ids(3 + i), max_tokens=2, ignore_eos=True) for i in range(3)))
         s.p.stdin.close()
         rest = s.read(3)
-        assert s.p.wait(timeout=60) == 0
+        assert s.p.wait(timeout=wait_s(60)) == 0
         assert s.lines.empty() and "Traceback" not in s.p.stderr.read()
     assert {r["custom_id"] for r in rest} == {"late-0", "late-1", "late-2"}
     for r in first + rest:
@@ -117,7 +120,7 @@ def test_ctrl_c_keeps_finished_lines(llama_dir):
         s.send(line("a", prompt=ids(4), max_tokens=2))
         (first,) = s.read(1)
         s.p.send_signal(signal.SIGINT)
-        assert s.p.wait(timeout=60) == 130
+        assert s.p.wait(timeout=wait_s(60)) == 130
         err = s.p.stderr.read()
     assert first["custom_id"] == "a" and first["error"] is None
     assert "1 finished results are already written" in err and s.lines.empty()

@@ -192,7 +192,7 @@ def test_cli_simulate_stats_keys_and_bad_trace(tmp_path, capsys):
     from tinyllm_cli.engine.stats import RunStats
     out = tmp_path / "s.json"
     with pytest.raises(SystemExit) as e:
-        main(["simulate", "--num-requests", "50", "--input-len", "64", "--output-len", "16", "--arrivals", "poisson",
+        main(["simulate", "--num-prompts", "50", "--input-len", "64", "--output-len", "16", "--arrivals", "poisson",
               "--request-rate", "5", "--ttft-slo", "1", "--stats-json", str(out), "-q"])
     assert e.value.code == 0
     s = json.loads(out.read_text())
@@ -211,8 +211,8 @@ def test_cli_simulate_sweep(tmp_path):
     from tinyllm_cli.cli import main
     out = tmp_path / "rows.json"
     with pytest.raises(SystemExit) as e:
-        main(["simulate", "--num-requests", "40", "--input-len", "64", "--output-len", "16", "--num-blocks", "64",
-              "--sweep", "max_num_seqs=2,8", "--stats-json", str(out), "-q"])
+        main(["simulate", "--num-prompts", "40", "--input-len", "64", "--output-len", "16", "--num-blocks", "64",
+              "--sweep", "max_num_seqs=2,8", "--json", str(out), "-q"])
     assert e.value.code == 0
     rows = json.loads(out.read_text())
     assert [r["sweep"] for r in rows] == ["max_num_seqs=2", "max_num_seqs=8"]

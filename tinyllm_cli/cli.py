@@ -93,6 +93,16 @@ SHARED: dict[str, tuple[object, object]] = {
     "debug": (Annotated[bool, typer.Option("--debug", help="Show tracebacks.")], False),
     "stats_json": (Annotated[Optional[Path], typer.Option("--stats-json", help="Write run stats as JSON here.")], None),
     "plot": (Annotated[Optional[Path], typer.Option("--plot", help="Draw the results into FILE.png or FILE.svg (needs tinyllm\\[plot]).")], None),
+    # The workload flags: what bench, inspect-blocks and simulate run when no trace or file is given.
+    "prompts": (Annotated[Optional[str], typer.Option("--prompts", help="Run a prompts file (.txt or .jsonl) instead of random-token prompts.")], None),
+    "chat": (Annotated[bool, typer.Option("--chat/--raw", help="Wrap a --prompts file's plain prompts in the chat template.")], False),
+    "num_prompts": (Annotated[int, typer.Option("--num-prompts", help="Random-token prompts (synthetic requests).")], 32),
+    "input_len": (Annotated[int, typer.Option("--input-len", help="Mean prompt length, in tokens.")], 128),
+    "output_len": (Annotated[int, typer.Option("--output-len", help="Tokens generated per request (EOS ignored; simulate: the mean).")], 64),
+    "range_ratio": (Annotated[float, typer.Option("--range-ratio", help="Lengths uniform in L*(1-r)..L*(1+r).")], 0.5),
+    "prefix_len": (Annotated[int, typer.Option("--prefix-len", help="Shared-prefix workload: tokens of shared prefix before each prompt.")], 0),
+    "num_prefixes": (Annotated[int, typer.Option("--num-prefixes", help="Shared-prefix workload: distinct prefixes (round robin).")], 1),
+    "workload_seed": (Annotated[int, typer.Option("--workload-seed", help="Seed of the random workload.")], 0),
 }
 GROUPS = {
     "MODEL": ("config", "model", "device", "dtype", "gemm", "quant", "quant_activations", "attention"),
@@ -105,8 +115,11 @@ GROUPS = {
                     "draft_quant"),
     "CLUSTER": ("workers", "ray_address", "worker_cpus", "worker_gpus", "max_attempts", "max_restarts", "insecure"),
     "RUN": ("quiet", "debug", "stats_json"),
+    "SYNTHETIC": ("num_prompts", "input_len", "output_len", "range_ratio", "prefix_len", "num_prefixes",
+                  "workload_seed"),
 }
-NOT_SETTINGS = {"config", "quiet", "debug", "stats_json", "plot"}  # options that are not config keys
+GROUPS["WORKLOAD"] = ("prompts", "chat", *GROUPS["SYNTHETIC"])
+NOT_SETTINGS = {"config", "quiet", "debug", "stats_json", "plot", *GROUPS["WORKLOAD"]}  # options that are not config keys
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="Wrap plain prompts in the model's chat template.")]
 
 
@@ -121,6 +134,13 @@ class Opts(dict):
         settings = {k: v for k, v in self.items() if k not in NOT_SETTINGS} | more
         settings |= _constraint_files(settings)
         return load_config(self.get("config"), flat_overrides(settings), command_defaults=command_defaults)
+
+    def workload(self):
+        """The workload flags (``GROUPS["WORKLOAD"]``, or the synthetic part of them) as one value."""
+        from .workload import Workload
+        return Workload(num_prompts=self.num_prompts, input_len=self.input_len, output_len=self.output_len,
+                        range_ratio=self.range_ratio, prefix_len=self.prefix_len, num_prefixes=self.num_prefixes,
+                        seed=self.workload_seed, prompts=self.get("prompts"), chat=self.get("chat", False))
 
 
 def _constraint_files(settings: dict) -> dict:
@@ -173,6 +193,25 @@ def shared(*names: str):
         command.__annotations__ = {p.name: p.annotation for p in params}
         return command
     return deco
+
+
+def renamed(ctx: typer.Context, old: str, new: str, old_value, new_value):
+    """A deprecated spelling of a flag, still taken (hidden from --help) by the command that had
+    it: ``old`` and ``new`` are the two parameters' names. The old one's value, with a note on
+    stderr, where only it was given; both given is a usage error; else the new one's value."""
+    if not _given(ctx, old):
+        return new_value
+    flag = {p.name: p.opts[0] for p in ctx.command.params}
+    if _given(ctx, new):
+        raise UsageError(f"{flag[old]} is the old name of {flag[new]}: give {flag[new]} only")
+    print(f"note: {flag[old]} is deprecated here; it is {flag[new]} now", file=sys.stderr)
+    return old_value
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option was on the command line (not its default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
 
 
 # ---- generate ------------------------------------------------------------------------------
@@ -256,46 +295,39 @@ def serve(
 
 @app.command()
 @shared("MODEL", "num_blocks", "kv_memory", "max_model_len", "SCHEDULER", "SPECULATIVE", "ray_address", "worker_cpus",
-        "worker_gpus", "max_attempts", "max_restarts", "insecure", "quiet", "debug", "plot", *STRUCTURED)
+        "worker_gpus", "max_attempts", "max_restarts", "insecure", "quiet", "debug", "plot", *STRUCTURED, "WORKLOAD")
 def bench(
-    block_sizes: Annotated[Optional[str], typer.Option("--block-size", help="Comma list, e.g. 8,16,32.")] = None,
-    caches: Annotated[str, typer.Option("--cache", help="Comma list of cache kinds: paged,slot.")] = "paged,slot",
-    num_prompts: Annotated[int, typer.Option(help="Random-token prompts to generate.")] = 32,
-    input_len: Annotated[int, typer.Option(help="Mean prompt length (random prompts).")] = 128,
-    output_len: Annotated[int, typer.Option(help="Tokens generated per request.")] = 64,
-    range_ratio: Annotated[float, typer.Option(help="Prompt lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
-    prompts: Annotated[Optional[str], typer.Option("--prompts", help="Use a prompts file instead of random tokens.")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", "--stats-json",
-                                                     help="Write the rows (each run's stats) as JSON.")] = None,
+    ctx: typer.Context,
+    block_sizes: Annotated[Optional[str], typer.Option("--block-size", help="Sweep: a comma list, e.g. 8,16,32.")] = None,
+    caches: Annotated[str, typer.Option("--cache", help="Sweep: a comma list of cache kinds, paged,slot.")] = "paged,slot",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows (each run's stats) as JSON.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
-    bench_seed: Annotated[int, typer.Option("--workload-seed", help="Seed of the random workload.")] = 0,
     warmup: Annotated[bool, typer.Option(help="One short untimed run first.")] = True,
-    prefix_len: Annotated[int, typer.Option(help="Shared-prefix workload: tokens of shared prefix per prompt.")] = 0,
-    num_prefixes: Annotated[int, typer.Option(help="Shared-prefix workload: distinct prefixes (round robin).")] = 1,
-    prefix_modes: Annotated[str, typer.Option("--prefix-cache", help="Paged runs with prefix caching: on, off or on,off.")] = "on",
+    prefix_modes: Annotated[str, typer.Option("--prefix-cache", help="Sweep: paged runs with prefix caching on, off or on,off.")] = "on",
     baseline: Annotated[Optional[str], typer.Option(help="Also run 'hf' (transformers generate) on the same workload.")] = None,
     roofline: Annotated[bool, typer.Option("--roofline/--no-roofline", help="Show each row's GFLOP/s and GB/s as "
                                            "fractions of this CPU's measured (cached) matmul peak and bandwidth.")] = True,
     remeasure_peak: Annotated[bool, typer.Option("--remeasure-peak", help="Measure the peak again; the cache "
                                                  "keeps each rate at the better of both measurements.")] = False,
     repeat: Annotated[int, typer.Option(help="Runs per row (round robin); rows report the median run.")] = 1,
-    profile: Annotated[bool, typer.Option("--profile", help="Rerun the first row under torch.profiler; show where the time goes.")] = False,
-    n_values: Annotated[Optional[str], typer.Option("--n", help="Comma list of completions per prompt, e.g. 1,4: one row each.")] = None,
-    workers: Annotated[Optional[str], typer.Option("--workers", help="Comma list of Ray worker counts, e.g. 1,2 "
+    torch_profile: Annotated[bool, typer.Option("--torch-profile", help="Rerun the first row under torch.profiler; show where the time goes.")] = False,
+    n_values: Annotated[Optional[str], typer.Option("--n", help="Sweep: a comma list of completions per prompt, e.g. 1,4.")] = None,
+    workers: Annotated[Optional[str], typer.Option("--workers", help="Sweep: a comma list of Ray worker counts, e.g. 1,2 "
                                                    "(1 = in-process); rows report scaling.")] = None,
-    chat: Annotated[bool, typer.Option("--chat/--raw", help="Wrap a --prompts file's plain prompts in the chat template.")] = False,
+    old_profile: Annotated[bool, typer.Option("--profile", hidden=True)] = False,
+    old_stats_json: Annotated[Optional[Path], typer.Option("--stats-json", hidden=True)] = None,
     opts: Opts = None,
 ):
     """Run one seeded workload per cache kind x block size at equal KV memory; one row each."""
     from .commands.bench import BenchSpec, run_bench
     from .plot import prepare
+    torch_profile = renamed(ctx, "old_profile", "torch_profile", old_profile, torch_profile)
+    json_out = renamed(ctx, "old_stats_json", "json_out", old_stats_json, json_out)
     prepare(opts.plot)
     cfg = opts.config()
-    spec = BenchSpec.parse(cfg, block_sizes=block_sizes, caches=caches, num_prompts=num_prompts, input_len=input_len,
-                           output_len=output_len, range_ratio=range_ratio, prompts=prompts, seed=bench_seed,
-                           warmup=warmup, chat=chat, prefix_len=prefix_len, num_prefixes=num_prefixes,
+    spec = BenchSpec.parse(cfg, block_sizes=block_sizes, caches=caches, workload=opts.workload(), warmup=warmup,
                            prefix_cache=prefix_modes, baseline=baseline, roofline=roofline,
-                           remeasure_peak=remeasure_peak, profile=profile,
+                           remeasure_peak=remeasure_peak, torch_profile=torch_profile,
                            repeat=repeat, n_values=n_values, workers=workers)
     if max(spec.workers) > 1:
         from .cluster import require_ray
@@ -307,16 +339,10 @@ def bench(
 
 @app.command("inspect-blocks")
 @shared("MODEL", "block_size", "num_blocks", "kv_memory", "max_model_len", "prefix_cache", "SCHEDULER", "n",
-        "CLUSTER", "RUN", "plot", *STRUCTURED)
+        "CLUSTER", "RUN", "plot", *STRUCTURED, "WORKLOAD")
 def inspect_blocks(
-    prompts: Annotated[Optional[str], typer.Option("--prompts", help="Prompts file (else random prompts).")] = None,
-    num_prompts: Annotated[int, typer.Option(help="Random-token prompts.")] = 12,
-    input_len: Annotated[int, typer.Option(help="Mean random prompt length.")] = 48,
-    output_len: Annotated[int, typer.Option(help="Tokens generated per request.")] = 32,
-    range_ratio: Annotated[float, typer.Option(help="Prompt lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
     at: Annotated[str, typer.Option(help="Snapshot moment: peak, end, or a step number.")] = "peak",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write snapshot + timeline as JSON.")] = None,
-    chat: Annotated[bool, typer.Option("--chat/--raw", help="Wrap a --prompts file's plain prompts in the chat template.")] = False,
     opts: Opts = None,
 ):
     """Show the paged cache's block map, block tables, free list and timeline."""
@@ -325,10 +351,9 @@ def inspect_blocks(
     prepare(opts.plot)
     # A pool small enough to read as a map (and to see preemption), unless sized by the user.
     cfg = opts.config(command_defaults={"cache.num_blocks": 64}, cache="paged", ignore_eos=True,
-                      max_new_tokens=output_len)
-    raise typer.Exit(run_inspect(cfg, prompts=prompts, num_prompts=num_prompts, input_len=input_len,
-                                 output_len=output_len, range_ratio=range_ratio, at=at, json_out=json_out, chat=chat,
-                                 quiet=opts.quiet, stats_json=opts.stats_json, plot=opts.plot, n=cfg.sampling.n))
+                      max_new_tokens=opts.output_len)
+    raise typer.Exit(run_inspect(cfg, workload=opts.workload(), at=at, json_out=json_out, quiet=opts.quiet,
+                                 stats_json=opts.stats_json, plot=opts.plot, n=cfg.sampling.n))
 
 
 # ---- plot ----------------------------------------------------------------------------------
@@ -407,26 +432,22 @@ app.add_typer(sim_app, name="simulate")
 
 
 @sim_app.callback(invoke_without_command=True)
-@shared("config", "model", "CACHE", "SCHEDULER", "workers", "seed", "RUN", "plot")
+@shared("config", "model", "CACHE", "SCHEDULER", "workers", "seed", "RUN", "plot", "SYNTHETIC")
 def simulate(
     ctx: typer.Context,
     trace: Annotated[Optional[str], typer.Option("--trace", "-t", help="Requests JSONL (arrival_s, prompt_len, output_len, ...), or a generate / serve-batch output file.")] = None,
-    profile: Annotated[Optional[Path], typer.Option("--profile", help="Step-cost profile JSON (default: the shipped one for the default model).")] = None,
-    num_requests: Annotated[int, typer.Option(help="Without --trace: synthetic requests to generate.")] = 1000,
-    input_len: Annotated[int, typer.Option(help="Synthetic: mean prompt length.")] = 256,
-    output_len: Annotated[int, typer.Option(help="Synthetic: mean output length.")] = 128,
-    range_ratio: Annotated[float, typer.Option(help="Synthetic: lengths uniform in L*(1-r)..L*(1+r).")] = 0.5,
+    cost_profile: Annotated[Optional[Path], typer.Option("--cost-profile", help="Step-cost profile JSON (default: the shipped one for the default model).")] = None,
     arrivals: Annotated[str, typer.Option(help="Synthetic: offline, poisson or gamma.")] = "offline",
     request_rate: Annotated[Optional[float], typer.Option(help="Arrivals per second: synthetic poisson/gamma (default 1); with --trace, the trace is fed as serve-batch --request-rate feeds it (Poisson, seeded by --seed), its own arrival_s replaced.")] = None,
     burstiness: Annotated[float, typer.Option(help="Synthetic gamma arrivals: shape (< 1 burstier than Poisson).")] = 1.0,
-    prefix_len: Annotated[int, typer.Option(help="Synthetic: shared-prefix tokens per prompt.")] = 0,
-    num_prefixes: Annotated[int, typer.Option(help="Synthetic: distinct shared prefixes.")] = 1,
-    workload_seed: Annotated[int, typer.Option("--workload-seed", help="Synthetic: seed.")] = 0,
     save_trace: Annotated[Optional[str], typer.Option("--save-trace", help="Also write the trace used as JSONL.")] = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="KEY=V1,V2,..: block_size, num_blocks, max_num_seqs, max_prefill_tokens or workers.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows (one per sweep point, each a run's stats) as JSON.")] = None,
     ttft_slo: Annotated[Optional[float], typer.Option("--ttft-slo", help="SLO on TTFT (s) for goodput.")] = None,
     tpot_slo: Annotated[Optional[float], typer.Option("--tpot-slo", help="SLO on TPOT (s) for goodput.")] = None,
     skip_ahead: Annotated[bool, typer.Option("--skip-ahead/--no-skip-ahead", help="Advance decode-only stretches in bulk (same decisions).")] = True,
+    old_profile: Annotated[Optional[Path], typer.Option("--profile", hidden=True)] = None,
+    old_num_requests: Annotated[Optional[int], typer.Option("--num-requests", hidden=True)] = None,
     opts: Opts = None,
 ):
     """Simulate a trace: the real scheduler and cache bookkeeping, no model; same stats as a real run."""
@@ -434,19 +455,22 @@ def simulate(
         return
     from .commands.simulate import run_simulate
     from .plot import prepare
-    from .workload import check_workload
+    cost_profile = renamed(ctx, "old_profile", "cost_profile", old_profile, cost_profile)
+    opts["num_prompts"] = renamed(ctx, "old_num_requests", "num_prompts", old_num_requests, opts.num_prompts)
     prepare(opts.plot)
+    workload = opts.workload()
     if trace is None:
-        check_workload(num_requests, input_len, output_len, range_ratio)
+        workload.check()
     cfg = opts.config()
-    gen = dict(num=num_requests, input_len=input_len, output_len=output_len, arrivals=arrivals,
-               rate=1.0 if request_rate is None else request_rate,
-               burstiness=burstiness, range_ratio=range_ratio, prefix_len=prefix_len, num_prefixes=num_prefixes,
-               seed=workload_seed)
+    gen = dict(num=workload.num_prompts, input_len=workload.input_len, output_len=workload.output_len,
+               arrivals=arrivals, rate=1.0 if request_rate is None else request_rate, burstiness=burstiness,
+               range_ratio=workload.range_ratio, prefix_len=workload.prefix_len, num_prefixes=workload.num_prefixes,
+               seed=workload.seed)
     replay_rate = request_rate if trace is not None else None
-    raise typer.Exit(run_simulate(cfg, trace=trace, replay_rate=replay_rate, profile=profile, gen=gen, sweep=sweep, ttft_slo=ttft_slo,
-                                  tpot_slo=tpot_slo, save_trace=save_trace, quiet=opts.quiet,
-                                  stats_json=opts.stats_json, plot=opts.plot, skip_ahead=skip_ahead))
+    raise typer.Exit(run_simulate(cfg, trace=trace, replay_rate=replay_rate, cost_profile=cost_profile, gen=gen,
+                                  sweep=sweep, ttft_slo=ttft_slo, tpot_slo=tpot_slo, save_trace=save_trace,
+                                  quiet=opts.quiet, stats_json=opts.stats_json, json_out=json_out, plot=opts.plot,
+                                  skip_ahead=skip_ahead))
 
 
 @sim_app.command("calibrate")

@@ -1,5 +1,5 @@
 """Where a run's time goes: one engine run under ``torch.profiler``, its operators summed into a
-few categories (``bench --profile``).
+few categories (``bench --torch-profile``).
 
 Invariants:
 - Categories partition the profiled wall time: each operator's *self* time lands in exactly one

@@ -1,26 +1,55 @@
-"""Prompt workloads for ``bench`` and ``inspect-blocks``: seeded random-token prompts (optionally
-behind shared prefixes), or the prompts of a file, as token ids; and the greedy requests that
-run them; and serve-batch's Poisson arrival gaps. The same seed gives the same workload, so runs
-differ only in what is measured."""
+"""Prompt workloads for ``bench``, ``inspect-blocks`` and ``simulate``: the workload flags as one
+``Workload``, seeded random-token prompts (optionally behind shared prefixes) or the prompts of a
+file as token ids, the greedy requests that run them, and serve-batch's Poisson arrival gaps.
+The same seed gives the same workload, so runs differ only in what is measured."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
 from .engine.request import Request, SamplingParams
 from .errors import UsageError
-from .io import RequestBuilder, read_records, record_id
+from .io import RequestBuilder, check_prompt_file, read_records, record_id
 
 
-def check_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float) -> None:
-    """The random-workload flags shared by bench and inspect-blocks."""
-    for name, v in (("--num-prompts", num_prompts), ("--input-len", input_len), ("--output-len", output_len)):
-        if v <= 0:
-            raise UsageError(f"{name} must be a positive integer, not {v}")
-    if not 0 <= range_ratio < 1:
-        raise UsageError(f"--range-ratio must be in [0, 1), not {range_ratio}")
+@dataclass(frozen=True)
+class Workload:
+    """The workload flags, as every command that takes them reads them (their defaults live in
+    the CLI's option table, once). ``prompts``: a prompts file that replaces the random-token
+    prompts (``chat``: wrap its plain prompts in the chat template); the other fields describe
+    the seeded synthetic workload."""
+    num_prompts: int
+    input_len: int
+    output_len: int
+    range_ratio: float
+    prefix_len: int
+    num_prefixes: int
+    seed: int
+    prompts: str | None = None
+    chat: bool = False
+
+    def check(self) -> None:
+        """Every flag in range, or one sentence naming it (a usage error: nothing has run)."""
+        for name, v in (("--num-prompts", self.num_prompts), ("--input-len", self.input_len),
+                        ("--output-len", self.output_len)):
+            if v <= 0:
+                raise UsageError(f"{name} must be a positive integer, not {v}")
+        if not 0 <= self.range_ratio < 1:
+            raise UsageError(f"--range-ratio must be in [0, 1), not {self.range_ratio}")
+        if self.prefix_len < 0 or self.num_prefixes < 1:
+            raise UsageError("--prefix-len must be >= 0 and --num-prefixes >= 1")
+        if self.prompts:
+            check_prompt_file(self.prompts)
+
+    def prompt_ids(self, model_cfg, tokenizer) -> list[list[int]]:
+        """The prompts as token ids: the file's, else the seeded random ones."""
+        if self.prompts:
+            return prompts_from_file(self.prompts, tokenizer, self.chat)
+        return shared_prefix_prompts(model_cfg, self.num_prompts, self.input_len, self.range_ratio, self.seed,
+                                     self.prefix_len, self.num_prefixes)
 
 
 def random_prompts(model_cfg, num: int, input_len: int, range_ratio: float, seed: int) -> list[list[int]]:

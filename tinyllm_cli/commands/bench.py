@@ -9,7 +9,7 @@ Invariants:
 - ``--n 1,4`` runs every row once per n: each prompt asks for n completions (greedy, so the n
   are identical; what differs is memory: the paged cache shares the prompt's blocks among the n
   forks, the slot cache copies the prompt into one slot per fork).
-- Reference points (transformers baseline, profile) measure the in-process engine, so they
+- Reference points (transformers baseline, ``--torch-profile``) measure the in-process engine, so they
   need worker count 1 in the sweep.
 - Where the limit is (``roofline.py``): each in-process row carries its model work (FLOPs,
   bytes, from the counts its steps recorded) and achieved GFLOP/s and GB/s, and, with
@@ -30,12 +30,11 @@ from tqdm import tqdm
 
 from ..config import Config
 from ..errors import TinyLLMError, UsageError
-from ..io import check_prompt_file
 from ..llm import LLM
 from ..report import bench_table, stderr_console
 from ..roofline import rates, runtime_bytes, runtime_peak, work_of_run
 from ..runtime import kv_budget
-from ..workload import check_workload, prompts_from_file, requests_for, shared_prefix_prompts
+from ..workload import Workload, requests_for
 from .common import int_list, open_llm
 
 
@@ -43,42 +42,33 @@ from .common import int_list, open_llm
 class BenchSpec:
     block_sizes: list[int]
     caches: list[str]
-    num_prompts: int
-    input_len: int
-    output_len: int
-    range_ratio: float
-    prompts: str | None
-    seed: int
+    workload: Workload
     warmup: bool
-    chat: bool
-    prefix_len: int = 0
-    num_prefixes: int = 1
     prefix_modes: tuple[bool, ...] = (True,)
     baseline: str | None = None
     roofline: bool = True
     remeasure_peak: bool = False
-    profile: bool = False
+    torch_profile: bool = False
     repeat: int = 1
     workers: list[int] = dataclasses.field(default_factory=lambda: [1])  # 1: in-process; N: Ray workers
     n_values: tuple[int, ...] = (1,)
 
+    @property
+    def output_len(self) -> int:
+        return self.workload.output_len
+
     @classmethod
-    def parse(cls, cfg: Config, *, block_sizes: str | None, caches: str, num_prompts: int, input_len: int,
-              output_len: int, range_ratio: float, prompts: str | None, seed: int, warmup: bool, chat: bool,
-              prefix_len: int = 0, num_prefixes: int = 1,
+    def parse(cls, cfg: Config, *, block_sizes: str | None, caches: str, workload: Workload, warmup: bool,
               prefix_cache: str = "on", baseline: str | None = None, roofline: bool = True,
-              remeasure_peak: bool = False, profile: bool = False, repeat: int = 1, n_values: str | None = None,
-              workers: str | None = None) -> "BenchSpec":
+              remeasure_peak: bool = False, torch_profile: bool = False, repeat: int = 1,
+              n_values: str | None = None, workers: str | None = None) -> "BenchSpec":
+        """The sweep form of the flags (comma lists) checked and split; one sentence per mistake."""
         sizes = int_list(block_sizes, "--block-size") if block_sizes else [cfg.cache.block_size]
         kinds = [c.strip() for c in caches.split(",") if c.strip()]
         bad = [k for k in kinds if k not in ("paged", "slot")]
         if bad or not kinds:
             raise UsageError(f"--cache takes a comma list of paged and slot, not {caches!r}")
-        check_workload(num_prompts, input_len, output_len, range_ratio)
-        if prompts:
-            check_prompt_file(prompts)
-        if prefix_len < 0 or num_prefixes < 1:
-            raise UsageError("--prefix-len must be >= 0 and --num-prefixes >= 1")
+        workload.check()
         modes = {"on": True, "off": False}
         picked = [m.strip() for m in prefix_cache.split(",") if m.strip()]
         if not picked or any(m not in modes for m in picked):
@@ -89,16 +79,15 @@ class BenchSpec:
             raise UsageError(f"--baseline takes hf (transformers generate), not {baseline!r}")
         ns = tuple(int_list(n_values, "--n")) if n_values else (1,)
         counts = int_list(workers, "--workers") if workers else [1]
-        if (baseline or profile) and (1 not in counts or cfg.parallel.ray_address is not None):
-            raise UsageError("--baseline and --profile measure the in-process engine: "
+        if (baseline or torch_profile) and (1 not in counts or cfg.parallel.ray_address is not None):
+            raise UsageError("--baseline and --torch-profile measure the in-process engine: "
                              "include 1 in --workers (without --ray-address)")
         if remeasure_peak and not roofline:
             raise UsageError("--remeasure-peak measures the peak --roofline compares with: drop --no-roofline")
-        return cls(block_sizes=sizes, caches=kinds, num_prompts=num_prompts, input_len=input_len,
-                   output_len=output_len, range_ratio=range_ratio, prompts=prompts, seed=seed, warmup=warmup,
-                   chat=chat, prefix_len=prefix_len, num_prefixes=num_prefixes,
+        return cls(block_sizes=sizes, caches=kinds, workload=workload, warmup=warmup,
                    prefix_modes=tuple(modes[m] for m in picked), baseline=baseline, roofline=roofline,
-                   remeasure_peak=remeasure_peak, profile=profile, repeat=repeat, workers=counts, n_values=ns)
+                   remeasure_peak=remeasure_peak, torch_profile=torch_profile, repeat=repeat, workers=counts,
+                   n_values=ns)
 
     def combos(self) -> list[tuple[str, int, bool, int]]:
         out = []
@@ -109,14 +98,6 @@ class BenchSpec:
                 else:
                     out += [("paged", b, pc, n) for b in self.block_sizes for pc in self.prefix_modes]
         return out
-
-
-def workload_for(spec: BenchSpec, llm: LLM) -> list[list[int]]:
-    rt = llm.runtime
-    if spec.prompts:
-        return prompts_from_file(spec.prompts, rt.tokenizer, spec.chat)
-    return shared_prefix_prompts(rt.model_cfg, spec.num_prompts, spec.input_len, spec.range_ratio, spec.seed,
-                                 spec.prefix_len, spec.num_prefixes)
 
 
 def run_one(llm: LLM, base: Config, kind: str, block_size: int, budget: int, workload: list[list[int]],
@@ -180,7 +161,7 @@ def sweep(spec: BenchSpec, cfg: Config, quiet: bool) -> tuple[list[dict], dict, 
         with open_llm(wcfg, quiet) as llm:
             rt = llm.runtime
             if workload is None:
-                workload = workload_for(spec, llm)
+                workload = spec.workload.prompt_ids(rt.model_cfg, rt.tokenizer)
                 sized = dataclasses.replace(cfg.cache, block_size=spec.block_sizes[0])
                 budget = kv_budget(dataclasses.replace(cfg, cache=sized), rt.model_cfg, rt.dtype, rt.device).bytes
                 described = rt.describe()
@@ -273,7 +254,7 @@ def reference_points(spec: BenchSpec, cfg: Config, llm: LLM, budget: int, worklo
         refs["hf"] = base
         for r in rows:
             r["vs_hf"] = round(r["total_tokens_per_s"] / base["total_tokens_per_s"], 3)
-    if spec.profile:
+    if spec.torch_profile:
         refs["profile"] = profile_first(spec, cfg, llm, budget, workload)
     return refs
 

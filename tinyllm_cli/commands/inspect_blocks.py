@@ -16,9 +16,8 @@ from rich.table import Table
 from ..cache.snapshot import take
 from ..config import Config
 from ..errors import TinyLLMError, UsageError
-from ..io import check_prompt_file
 from ..report import block_map, marks_line, moment, run_table, sparkline, stderr_console
-from ..workload import check_workload, prompts_from_file, random_prompts, requests_for
+from ..workload import Workload, requests_for
 from .common import open_llm, write_json
 
 
@@ -94,20 +93,16 @@ class Recorder:
             self.snap = snapshot(engine, step)
 
 
-def run_inspect(cfg: Config, *, prompts: str | None, num_prompts: int, input_len: int, output_len: int,
-                range_ratio: float, at: str, json_out: Path | None, chat: bool, quiet: bool,
+def run_inspect(cfg: Config, *, workload: Workload, at: str, json_out: Path | None, quiet: bool,
                 stats_json: Path | None = None, plot: Path | None = None, n: int = 1) -> int:
     when = parse_at(at)
-    if prompts:
-        check_prompt_file(prompts)
-    check_workload(num_prompts, input_len, output_len, range_ratio)
+    workload.check()
     with open_llm(cfg, quiet) as llm:
         rt = llm.runtime
-        workload = (prompts_from_file(prompts, rt.tokenizer, chat) if prompts
-                    else random_prompts(rt.model_cfg, num_prompts, input_len, range_ratio, 0))
+        prompts = workload.prompt_ids(rt.model_cfg, rt.tokenizer)
         llm.engine.add_observer(Recorder(when))
-        for _ in llm.run(requests_for(workload, output_len, n, cfg.sampling), use_tqdm=not quiet,
-                         total=len(workload), desc="inspect"):
+        for _ in llm.run(requests_for(prompts, workload.output_len, n, cfg.sampling), use_tqdm=not quiet,
+                         total=len(prompts), desc="inspect"):
             pass
         recorders = llm.engine.observed()
         summary = llm.stats

@@ -1,6 +1,7 @@
 """``tinyllm simulate``: a trace through the real scheduler and cache bookkeeping, with a measured
 step-cost model in place of the forward pass (``sim/``). Same config keys, same ``--stats-json``
-keys, same run table and plots as a real run; sweeps like ``bench``'s; an SLO view.
+keys, same run table and plots as a real run; sweeps like ``bench``'s (``--json`` writes one row
+per point, bench's shape); an SLO view.
 """
 
 from __future__ import annotations
@@ -82,11 +83,16 @@ def _sweep_configs(cfg: Config, sweep: str | None) -> list[tuple[str, Config]]:
     return out
 
 
-def run_simulate(cfg: Config, *, trace: str | None, profile: Path | None, gen: dict, sweep: str | None,
+def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, gen: dict, sweep: str | None,
                  replay_rate: float | None = None,
                  ttft_slo: float | None, tpot_slo: float | None, save_trace: str | None, quiet: bool,
-                 stats_json: Path | None, plot: Path | None, skip_ahead: bool = True) -> int:
-    cost = load_profile(profile)
+                 stats_json: Path | None, json_out: Path | None = None, plot: Path | None = None,
+                 skip_ahead: bool = True) -> int:
+    """One simulated run (its stats in ``stats_json``) or one per sweep point; ``json_out`` gets
+    the rows either way. A sweep is many runs, so it has no one run's stats to write."""
+    if sweep and stats_json is not None:
+        raise UsageError("--sweep makes one run per point: write its rows with --json FILE, not --stats-json")
+    cost = load_profile(cost_profile)
     items = trace_items(trace, gen, replay_rate, cfg.sampling.run_seed)
     if save_trace:
         n = write_trace(items(), save_trace)
@@ -105,12 +111,13 @@ def run_simulate(cfg: Config, *, trace: str | None, profile: Path | None, gen: d
         s = rows[0]
         extra = [("simulated in", f"{s['sim_wall_s']:.2f} s wall ({s['skipped_steps']} of {s['steps']} steps skipped ahead)")]
         extra += slo_view(s, ttft_slo, tpot_slo, s.get("slo"))
+        write_json(rows, json_out)
         finish_run(s, title, stats_json, quiet, extra)
         if plot is not None:
             from ..plot import draw
             draw("run", s, plot)
         return 0
-    write_json(rows, stats_json)
+    write_json(rows, json_out)
     if plot is not None:
         from ..plot import draw
         draw("bench", rows, plot)
