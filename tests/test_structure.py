@@ -138,7 +138,7 @@ def test_the_checker_sees_a_cycle():
 def test_the_checker_resolves_relative_imports(tmp_path):
     g = graph()
     assert "tinyllm_cli.engine.contract" in g["tinyllm_cli.engine.engine"]
-    assert "tinyllm_cli.engine.sampler" in g["tinyllm_cli.engine.engine"]  # `from . import sampler`
+    assert "tinyllm_cli.engine.sampler" in g["tinyllm_cli.engine.runner"]  # `from . import sampler`
     assert "tinyllm_cli.llm" in g["tinyllm_cli.commands.common"]
 
 

@@ -104,7 +104,7 @@ def test_masks_filled_during_or_after_the_forward_give_the_same_outputs(llm):
     outs = {}
     for overlap in (False, True):
         llm.reconfigure()  # a fresh engine each time (no prefix cache from the other run)
-        llm.engine.overlap_masks = overlap
+        llm.engine.runner.overlap_masks = overlap
         outs[overlap] = [o.token_ids for o in llm.generate(prompts, ps, use_tqdm=False)]
         assert llm.stats["constrained_tokens"] > 0
     assert outs[False] == outs[True]

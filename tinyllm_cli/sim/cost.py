@@ -40,9 +40,9 @@ def step_features(plan, block_size: int | None) -> list[float]:
     ctx = sum(s.num_tokens for s in plan.decode)
     blocks = 0 if block_size is None else sum(-(-s.num_tokens // block_size) for s in plan.decode)
     p = a = 0
-    for _, start, n in plan.prefill:
-        p += n
-        a += n * (start + (n + 1) / 2)
+    for c in plan.prefill:
+        p += c.n
+        a += c.n * (c.start + (c.n + 1) / 2)
     return [1.0, rows, ctx, p, a, len(plan.prefill), blocks]
 
 
