@@ -28,7 +28,7 @@ SCHEMAS = [json.loads(line) for line in
 
 
 def run(llm: LLM, prompts, params, overlap: bool = True) -> tuple[dict, list]:
-    llm.engine.overlap_masks = overlap
+    llm.engine.runner.overlap_masks = overlap
     outs = llm.generate(prompts, params, use_tqdm=False)
     return dict(llm.stats), outs
 

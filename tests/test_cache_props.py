@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from tinyllm_cli.cache.allocator import BlockAllocator, BlockError
 from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
 from tinyllm_cli.engine.request import Request, SamplingParams, Sequence, Status
-from tinyllm_cli.engine.scheduler import Scheduler
+from tinyllm_cli.engine.scheduler import Scheduler, Verify
 from tinyllm_cli.model.llama import ModelConfig
 
 CFG = ModelConfig(vocab_size=50, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=8)
@@ -87,12 +87,12 @@ def simulate(cache, reqs, max_num_seqs, budget, finish_draws):
         plan = sched.schedule()
         for s in plan.failed:
             done += 1
-        cache.plan_step([s.seq_id for s in plan.decode], [(s.seq_id, a, n) for s, a, n in plan.prefill])
+        cache.plan_step([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
         for s in plan.decode:
             s.num_cached += 1
-        for s, a, n in plan.prefill:
-            s.num_cached = a + n
-        samplers = plan.decode + [s for s, a, n in plan.prefill if a + n == s.num_tokens]
+        for c in plan.prefill:
+            c.seq.num_cached = c.start + c.n
+        samplers = plan.decode + [c.seq for c in plan.prefill if c.completes_prompt]
         for s in samplers:
             s.tokens.append(1)
             s.status = Status.DECODE
@@ -133,9 +133,10 @@ def test_preemption_picks_newest():
         sched.add(Sequence(i, r, 0, [1, 2, 3, 4], 4))
     plan = sched.schedule()  # each needs 3 free blocks to enter and takes 2: three get in
     assert len(plan.prefill) == 3 and cache.allocator.num_free == 1
-    cache.plan_step([], [(s.seq_id, a, n) for s, a, n in plan.prefill])
-    for s, a, n in plan.prefill:
-        s.num_cached = a + n
+    cache.plan_step([], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
+    for c in plan.prefill:
+        s = c.seq
+        s.num_cached = c.start + c.n
         s.tokens.append(1)
         s.status = Status.DECODE
     plan = sched.schedule()  # each needs a third block, one is free: the newest (2) must go
@@ -162,18 +163,19 @@ def speculative_simulation(cache, reqs, max_num_seqs, budget, draws, k):
         done += len(plan.failed)
         wants = [(s, min(k, s.request.params.max_new_tokens - s.num_output - 1)) for s in plan.decode]
         caps = sched.draft_room(plan, wants)
-        sched.speculate(plan, [(s, [1] * c) for (s, _), c in zip(wants, caps) if c > 0])
-        for s, d in plan.verify:  # the granted room is really there, no preemption needed
-            assert len(cache.tables[s.seq_id]) * cache.block_size >= s.num_tokens + len(d)
+        sched.speculate(plan, [Verify(s, [1] * c) for (s, _), c in zip(wants, caps) if c > 0])
+        for v in plan.verify:  # the granted room is really there, no preemption needed
+            assert len(cache.tables[v.seq.seq_id]) * cache.block_size >= v.seq.num_tokens + len(v.drafts)
         cache.plan_step([s.seq_id for s in plan.decode],
-                        [(s.seq_id, a, n) for s, a, n in plan.prefill] +
-                        [(s.seq_id, s.num_tokens - 1, 1 + len(d)) for s, d in plan.verify])
+                        [(c.seq.seq_id, c.start, c.n) for c in plan.prefill] +
+                        [(v.seq.seq_id, v.seq.num_tokens - 1, 1 + len(v.drafts)) for v in plan.verify])
         for s in plan.decode:
             s.num_cached += 1
-        for s, a, n in plan.prefill:
-            s.num_cached = a + n
-        emits = [(s, 1) for s in plan.decode] + [(s, 1) for s, a, n in plan.prefill if a + n == s.num_tokens]
-        for s, d in plan.verify:
+        for c in plan.prefill:
+            c.seq.num_cached = c.start + c.n
+        emits = [(s, 1) for s in plan.decode] + [(c.seq, 1) for c in plan.prefill if c.completes_prompt]
+        for v in plan.verify:
+            s, d = v.seq, v.drafts
             a = next(draws, 0) % (len(d) + 1)  # a random number of drafts accepted
             s.num_cached = s.num_tokens + a
             cache.truncate(s.seq_id, s.num_cached)

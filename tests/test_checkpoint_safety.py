@@ -13,7 +13,7 @@ exit 2, exactly one line on stderr, nothing on stdout, no traceback.
 attack, the peak RSS of a fresh subprocess around the load (the loader before this check grew
 it by ~105 MiB for a 1 MiB file).
 
-Memory: ``validate.available_memory`` is monkeypatched to a small number; the refusal (exit 1:
+Memory: ``machine.host_available_memory`` is monkeypatched to a small number; the refusal (exit 1:
 the checkpoint is fine, the machine is short) names the need, computed here independently from
 the tensor shapes for each quant mode and dtype, and what is available.
 """
@@ -34,6 +34,7 @@ import torch
 
 from tinyllm_cli.cli import main
 from tinyllm_cli.errors import CheckpointError
+from tinyllm_cli import machine
 from tinyllm_cli.model import hub, validate
 from tinyllm_cli.model.checkpoint import load_checkpoint
 from conftest import wait_s
@@ -539,14 +540,14 @@ def _float32_bytes(tensors) -> int:
 
 def test_memory_refusal_names_both_numbers(good_gguf, monkeypatch, dequantized):
     need = _float32_bytes(gguf_tensors().values())
-    monkeypatch.setattr(validate, "available_memory", lambda: 100_000)
+    monkeypatch.setattr(machine, "host_available_memory", lambda: 100_000)
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(str(good_gguf), progress=False)
     msg = str(e.value)
     assert f"the model needs {need / 1024:.1f} KiB of memory for its weights but only 97.7 KiB is available" in msg
     assert e.value.exit_code == 1 and "\n" not in msg
     assert sum(dequantized) == 0
-    monkeypatch.setattr(validate, "available_memory", lambda: need)  # exactly enough: loads
+    monkeypatch.setattr(machine, "host_available_memory", lambda: need)  # exactly enough: loads
     assert len(load_checkpoint(str(good_gguf), progress=False).weights) == len(gguf_tensors())
 
 
@@ -560,7 +561,7 @@ def test_memory_need_follows_quant_mode_and_dtype(tmp_path, monkeypatch):
     lean = sum(v.size + 8 * v.size // 32 if v.ndim == 2 else 4 * v.size for v in t.values())
     full = _float32_bytes(t.values())
     avail = {"n": lean}
-    monkeypatch.setattr(validate, "available_memory", lambda: avail["n"])
+    monkeypatch.setattr(machine, "host_available_memory", lambda: avail["n"])
     assert load_checkpoint(str(path), progress=False, quant="gguf").weights
     with pytest.raises(CheckpointError, match=rf"needs {full / 1024:.1f} KiB .* \(with --quant gguf it needs "
                                               rf"{lean / 1024:.1f} KiB\)"):
@@ -577,7 +578,7 @@ def test_memory_need_follows_quant_mode_and_dtype(tmp_path, monkeypatch):
 def test_memory_refusal_for_a_model_directory_via_the_cli(llama_dir, monkeypatch, capsys, tmp_path, st_reads):
     from safetensors.torch import load_file
     need = sum(t.numel() * t.element_size() for t in load_file(str(Path(llama_dir) / "model.safetensors")).values())
-    monkeypatch.setattr(validate, "available_memory", lambda: 100 << 10)
+    monkeypatch.setattr(machine, "host_available_memory", lambda: 100 << 10)
     code, out, err = cli_load(capsys, tmp_path, llama_dir)
     assert_one_sentence(code, out, err, f"needs {need / 1024:.1f} KiB of memory for its weights but only "
                                         f"100.0 KiB is available", want_code=1)
@@ -595,11 +596,11 @@ def test_available_memory_reads_memavailable(tmp_path, monkeypatch):
     psutil = pytest.importorskip("psutil")
     if not Path("/proc/meminfo").exists():
         pytest.skip("no /proc/meminfo")
-    ours, theirs = validate.available_memory(), psutil.virtual_memory().available
+    ours, theirs = machine.host_available_memory(), psutil.virtual_memory().available
     assert ours is not None and abs(ours - theirs) < max(256 << 20, theirs // 10)
     fake = tmp_path / "meminfo"
     fake.write_text("MemTotal:  1000 kB\nMemFree:  10 kB\nMemAvailable:     2048 kB\n")
-    assert validate.available_memory(str(fake)) == 2048 * 1024
+    assert machine.host_available_memory(str(fake)) == 2048 * 1024
 
 
 def test_unknown_available_memory_skips_the_check(tmp_path, monkeypatch, good_gguf):
@@ -609,9 +610,9 @@ def test_unknown_available_memory_skips_the_check(tmp_path, monkeypatch, good_gg
     def no_sysconf(name):
         raise ValueError(name)
 
-    monkeypatch.setattr(validate.os, "sysconf", no_sysconf)
-    assert validate.available_memory(str(fake)) is None
-    assert validate.available_memory(str(tmp_path / "absent")) is None
-    monkeypatch.setattr(validate, "available_memory", lambda: None)
+    monkeypatch.setattr(machine.os, "sysconf", no_sysconf)
+    assert machine.host_available_memory(str(fake)) is None
+    assert machine.host_available_memory(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(machine, "host_available_memory", lambda: None)
     validate.check_memory(1 << 60, "x")  # unknown: no refusal
     assert load_checkpoint(str(good_gguf), progress=False).weights

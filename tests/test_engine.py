@@ -254,3 +254,28 @@ def test_scratch_slots_are_zeroed_even_on_reused_memory(tiny_model):
         for pool in (cache.k, cache.v):
             assert pool.shape == shape
             assert torch.equal(pool[:, cache.scratch_slot:], torch.zeros_like(pool[:, cache.scratch_slot:]))
+
+
+def test_runner_seam_rows_agree_with_the_plan(tiny_model, workload):
+    """The engine drives whatever runner it is given through ``Runner.run``; the model runner's
+    sampling rows are ``samplers_of(plan)``, the rule the simulator's cost runner answers by, and
+    the outputs stay the no-cache reference under preemption and chunked prefill."""
+    from tinyllm_cli.engine.runner import ModelRunner, samplers_of
+
+    reqs, refs = workload
+    checked = []
+
+    class Checking(ModelRunner):
+        def run(self, plan, stats):
+            expected = [s.seq_id for s in samplers_of(plan)]
+            out = super().run(plan, stats)
+            assert [s.seq_id for s in out.samplers] == expected
+            assert len(out.tokens) == len(out.logprobs) == len(expected)
+            assert len(out.verified) == len(plan.verify)
+            checked.append(len(expected))
+            return out
+
+    cache = PagedKVCache(tiny_model.cfg, preempting_blocks(reqs), 4, torch.float32, "cpu")
+    outs, eng = run(tiny_model, cache, reqs, max_prefill_tokens=16, runner=Checking(tiny_model, cache))
+    assert [o.token_ids for o in outs] == refs
+    assert eng.stats.preemptions > 0 and sum(checked) >= sum(r.params.max_new_tokens for r in reqs)

@@ -153,18 +153,18 @@ def fork_simulation(cache, reqs, max_num_seqs, budget, draws, strict,
         assert steps < 5000, "the scheduler stopped making progress"
         plan = sched.schedule()
         finished += sum(1 + len(s.pending) for s in plan.failed)
-        writes = [(s, s.num_cached) for s in plan.decode] + [(s, a + j) for s, a, n in plan.prefill for j in range(n)]
+        writes = [(s, s.num_cached) for s in plan.decode] + [(c.seq, c.start + j) for c in plan.prefill for j in range(c.n)]
         for s, p in writes:
             (slot,) = cache.slots(s.seq_id, p, 1)
             if strict:
                 assert cache.pool.ref[slot // cache.block_size] == 1, "a shared block is written"
             cache.k[0, slot, 0, 0] = history.setdefault(tuple(s.tokens[:p + 1]), len(history))
-        cache.plan_step([s.seq_id for s in plan.decode], [(s.seq_id, a, n) for s, a, n in plan.prefill])
+        cache.plan_step([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
         for s in plan.decode:
             s.num_cached += 1
-        for s, a, n in plan.prefill:
-            s.num_cached = a + n
-        samplers = plan.decode + [x for s, a, n in plan.prefill if a + n == s.num_tokens for x in [s] + s.pending]
+        for c in plan.prefill:
+            c.seq.num_cached = c.start + c.n
+        samplers = plan.decode + [x for c in plan.prefill if c.completes_prompt for x in [c.seq] + c.seq.pending]
         for s in samplers:
             if s.pending:
                 sched.fork(s)

@@ -136,22 +136,22 @@ def test_refcounts_and_no_shared_writes(block_size, extra, prompts, max_num_seqs
         assert steps < 3000
         plan = sched.schedule()
         writes = [(s, s.num_tokens - 1) for s in plan.decode]
-        writes += [(s, p) for s, a, n in plan.prefill for p in range(a, a + n)]
-        attn = cache.plan_step([s.seq_id for s in plan.decode], [(s.seq_id, a, n) for s, a, n in plan.prefill])
+        writes += [(c.seq, p) for c in plan.prefill for p in range(c.start, c.start + c.n)]
+        attn = cache.plan_step([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
         assert attn.slot_mapping.tolist() == [cache.slots(s.seq_id, p, 1)[0] for s, p in writes]
         for s, p in writes:
             assert p >= s.num_cached  # nobody rewrites what it (or a block it shares) already holds
             content[cache.slots(s.seq_id, p, 1)[0]] = (s.tokens[p], p)
         for s in plan.decode:
             s.num_cached += 1
-        for s, a, n in plan.prefill:
-            s.num_cached = a + n
+        for c in plan.prefill:
+            c.seq.num_cached = c.start + c.n
         # Every table reads back exactly its own tokens: a write into a block someone else
         # relies on, or a wrong prefix hit, would show up here.
         for s in sched.running:
             for p in range(s.num_cached):
                 assert content[cache.slots(s.seq_id, p, 1)[0]] == (s.tokens[p], p)
-        for s in plan.decode + [s for s, a, n in plan.prefill if a + n == s.num_tokens]:
+        for s in plan.decode + [c.seq for c in plan.prefill if c.completes_prompt]:
             s.tokens.append(3)
             s.status = Status.DECODE
             if s.num_output >= 6 or next(draws, False):

@@ -29,7 +29,7 @@ class Plans:
         self.steps = []
 
     def __call__(self, engine, plan):
-        self.steps.append(([s.seq_id for s in plan.decode], [(s.seq_id, a, n) for s, a, n in plan.prefill],
+        self.steps.append(([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill],
                            [s.seq_id for s in plan.preempted], engine.cache.prefix_hits,
                            engine.cache.usage().blocks_used))
 

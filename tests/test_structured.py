@@ -14,6 +14,7 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from tinyllm_cli import LLM, SamplingParams
+from tinyllm_cli import params
 from tinyllm_cli.engine import constraints
 from tinyllm_cli.engine.request import Request
 
@@ -104,7 +105,7 @@ def test_masks_filled_during_or_after_the_forward_give_the_same_outputs(llm):
     outs = {}
     for overlap in (False, True):
         llm.reconfigure()  # a fresh engine each time (no prefix cache from the other run)
-        llm.engine.overlap_masks = overlap
+        llm.engine.runner.overlap_masks = overlap
         outs[overlap] = [o.token_ids for o in llm.generate(prompts, ps, use_tqdm=False)]
         assert llm.stats["constrained_tokens"] > 0
     assert outs[False] == outs[True]
@@ -152,7 +153,7 @@ def test_compile_cache(default_checkpoint):
 
 
 def test_missing_extra_is_one_sentence(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(constraints, "available", lambda: False)
+    monkeypatch.setattr(params, "structured_available", lambda: False)
     with pytest.raises(ValueError, match=r"needs the xgrammar package: pip install 'tinyllm\[structured\]'"):
         SamplingParams(regex="a+")
     # Flags: exit 2 before any model loads (the model path does not even exist).

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from .engine.request import SamplingParams
+from .params import SamplingParams
 from .errors import UsageError
 
 

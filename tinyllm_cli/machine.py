@@ -1,10 +1,18 @@
 """What machine this is: the CPU's name for performance tables and profiles (every table names
 its CPU), with the platform's word where /proc/cpuinfo has none, an accelerator's name where a
 run is on one, and the CPU's feature flags for choices that depend on them (the kernels' build
-key, AMX)."""
+key, AMX), and how much memory a load or a KV pool can still take (the checkpoint loader in
+``model/`` and the pool in ``cache/`` both ask here). Imports nothing of the package, and torch
+only inside the functions that need it.
+
+Invariants:
+- ``host_available_memory`` never raises: None where the platform cannot say.
+- ``available_memory(device)`` is the GPU's free memory on CUDA, else the host's, and unbounded
+  (``1 << 62``) where the host cannot say, so an unknown figure never refuses a pool."""
 
 from __future__ import annotations
 
+import os
 import platform
 from functools import lru_cache
 
@@ -50,3 +58,32 @@ def device_name(device) -> str:
         return f"cuda: {torch.cuda.get_device_name(device)}"
     return str(device)
 
+
+# ---- memory ---------------------------------------------------------------------------------
+
+def host_available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes this process can still allocate without swapping, or None where unknown. Linux's
+    MemAvailable counts reclaimable page cache (the checkpoint file's own pages among it);
+    ``SC_AVPHYS_PAGES`` elsewhere counts free pages only, so it errs on the low side."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB and means KiB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on this platform (macOS, Windows)
+        return None
+    return pages * size if pages > 0 and size > 0 else None
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes a pool on ``device`` can take: the GPU's free memory, or the host's
+    (``host_available_memory``; unbounded where the platform cannot say)."""
+    if device.type == "cuda":
+        import torch
+        return torch.cuda.mem_get_info(device)[0]
+    host = host_available_memory()
+    return 1 << 62 if host is None else host

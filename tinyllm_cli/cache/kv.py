@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.llama import ModelConfig
-from ..model.validate import available_memory as host_available_memory
+from ..machine import available_memory
 from ..transfer import to_device
 from .allocator import ROOT_SERIAL, BlockPool
 from .block_keys import ROOT, TOKEN_BYTES, as_salt, block_key, encode_tokens, prefix_salt
@@ -80,15 +80,6 @@ def parse_bytes(text: str | int) -> int:
 def token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V one token takes across all layers."""
     return cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes a pool on ``device`` can take: the GPU's free memory, or the host's
-    (``validate.available_memory``; unbounded where the platform cannot say)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    host = host_available_memory()
-    return 1 << 62 if host is None else host
 
 
 class PoolMemory:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import UsageError
+from ..llm import LLM
 from ..report import stderr_console
 from ..sim.cost import CostModel, calibrate, default_profile_path
 from ..sim.run import Simulation
@@ -144,7 +145,8 @@ def _pair(p: dict) -> str:
 
 
 def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0) -> int:
-    prof = calibrate(cfg, quiet=quiet, scale=scale)
+    with LLM(config=cfg, progress=not quiet) as llm:
+        prof = calibrate(llm, quiet=quiet, scale=scale)
     prof.save(output)
     if not quiet:
         for kind, f in prof.fit.items():

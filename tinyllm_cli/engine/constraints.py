@@ -21,8 +21,6 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import re
 import threading
@@ -33,21 +31,15 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from ..params import STRUCTURED_INSTALL, require_structured, structured_available
 
-INSTALL = "pip install 'tinyllm[structured]'"
+
+INSTALL = STRUCTURED_INSTALL
 CACHE_SIZE = 512  # compiled grammars kept per tokenizer (least recently used go first)
 
 
-@functools.cache
-def available() -> bool:
-    return importlib.util.find_spec("xgrammar") is not None
-
-
-def require() -> None:
-    """Raise ValueError (one sentence, with the install command) when xgrammar is missing."""
-    if not available():
-        raise ValueError(f"structured output (json_schema, json_object, regex, choice, grammar) needs the "
-                         f"xgrammar package: {INSTALL}")
+available = structured_available
+require = require_structured
 
 
 def _xgr():

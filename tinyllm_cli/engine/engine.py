@@ -1,7 +1,9 @@
 """The engine loop: requests in, one packed forward per step, finished outputs out at once.
 
-One step = schedule -> pack decode rows and prefill chunks into one flat batch -> one forward
-(logits only for rows that sample) -> sample -> append, check stops, release finished sequences.
+One step = schedule -> the runner (``runner.py``, the one room that calls the model) packs decode
+rows and prefill chunks into one flat batch, runs one forward (logits only for rows that sample)
+and samples -> append, check stops, release finished sequences, record stats. The engine loop
+holds no tensors and calls the runner through its ``Runner`` interface.
 
 Invariants:
 - Outputs are handed back the step a sequence finishes (streaming), never held to the end.
@@ -38,8 +40,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -47,22 +48,13 @@ from ..cache.attention import sdpa_scope
 from ..cache.kv import PagedKVCache
 from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
-from ..transfer import to_device
-from . import constraints, sampler
+from . import constraints
 from .contract import Engine
 from .request import Completion, Delta, Group, Request, RequestOutput, Sequence, Status, fork_seed, request_seed
-from .scheduler import Plan, Scheduler
+from .runner import ModelRunner, Runner, scored_span
+from .scheduler import Plan, Scheduler, Verify
 from .speculative import Speculation, accepted_prefix, can_speculate
 from .stats import RunStats, StepRecord
-
-
-@dataclass
-class Scoring:
-    """A step's prompt rows that report log-probabilities (they follow the sampled rows)."""
-
-    rows: list[int] = field(default_factory=list)  # rows of the packed step
-    targets: list[int] = field(default_factory=list)  # the prompt token each row predicts
-    groups: list[tuple[Group, int]] = field(default_factory=list)  # (group, its rows), in order
 
 
 class LLMEngine(Engine):
@@ -70,8 +62,14 @@ class LLMEngine(Engine):
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache, tokenizer: Tokenizer | None = None, *,
                  max_num_seqs: int = 64, max_prefill_tokens: int = 2048, max_model_len: int | None = None,
-                 eos_ids: Iterable[int] | None = None, seed: int = 0, speculation: Speculation | None = None):
+                 eos_ids: Iterable[int] | None = None, seed: int = 0, speculation: Speculation | None = None,
+                 runner: Runner | None = None, clock: Callable[[], float] = time.perf_counter):
+        """``runner``: what computes the steps (default: a ``ModelRunner`` on ``model`` and
+        ``cache``). ``clock``: every timestamp the engine and its stats take (wall time; the
+        simulator passes its virtual clock)."""
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.clock = clock
+        self.runner: Runner = runner if runner is not None else ModelRunner(model, cache)
         limit = model.cfg.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
         if cache.kind == "slot":
@@ -86,14 +84,6 @@ class LLMEngine(Engine):
         self._token_text: dict[int, str | None] = {}
         self.observers: list = []
         self._deltas: list[Delta] = []  # streaming requests' new tokens, until ``take_deltas``
-        self._mask_pool = None  # a thread that fills grammar masks during the forward pass
-        # Fill grammar masks on a thread during the forward pass only where the forward leaves the
-        # CPU idle (a GPU): on the CPU the thread competes with the forward's own threads
-        # (scripts/structured_bench.py, batch 32: 7.1% slower than unconstrained with it, 2.0% without).
-        self.overlap_masks = model.device.type != "cpu"
-
-    # The engine's clock (wall time); the simulator (sim/engine.py) runs the same code on virtual time.
-    clock = staticmethod(time.perf_counter)
 
     # ---- requests in ---------------------------------------------------------------------
 
@@ -220,9 +210,7 @@ class LLMEngine(Engine):
     def close(self) -> None:
         """Stop the grammar-mask threads and hand the KV pools to the next engine (the cache's
         ``release_pools``): a closed engine cannot step again."""
-        if self._mask_pool is not None:
-            self._mask_pool.shutdown(wait=False)
-            self._mask_pool = None
+        self.runner.close()
         self.cache.release_pools()
 
     def num_waiting(self) -> int:
@@ -277,10 +265,11 @@ class LLMEngine(Engine):
             if self.speculation is not None and plan.decode:
                 self._draft(plan)
             work = plan_work(plan)  # before the step moves its sequences on
-            samplers, tokens, logprobs, forward_s, verified = self._compute(plan)
+            res = self.runner.run(plan, self.stats)
         t4 = time.perf_counter()
         self._advance(plan)
-        emits = self._accept(plan, verified) if plan.verify else []
+        samplers = res.samplers
+        emits = self._accept(plan, res.verified) if plan.verify else []
         for s in samplers:
             if s.pending:  # its prompt is computed: the other n - 1 start from it
                 self.scheduler.fork(s)
@@ -288,7 +277,7 @@ class LLMEngine(Engine):
         usage, running = self.cache.usage(), len(self.scheduler.running)
         for observe in self.observers:  # before releases, so a snapshot sees the final tables
             observe(self, plan)
-        for s, tok, lp in zip(samplers, tokens, logprobs):
+        for s, tok, lp in zip(samplers, res.tokens, res.logprobs):
             if lp is not None:
                 s.logprobs.append(lp)
             self._end_if(self._append(s, tok), s, done)
@@ -301,7 +290,7 @@ class LLMEngine(Engine):
             if s.request.stream:
                 self._report(s)
         clock["postprocess"] += time.perf_counter() - t4
-        self._record(plan, forward_s, usage, running, work)
+        self._record(plan, res.forward_s, usage, running, work)
         return done
 
     def _report(self, s: Sequence) -> None:
@@ -337,7 +326,7 @@ class LLMEngine(Engine):
         picked = [(s, k) for (s, _), k in zip(wants, caps) if k > 0]
         if picked:
             drafts = spec.drafter.propose([s for s, _ in picked], [k for _, k in picked])
-            self.scheduler.speculate(plan, [(s, d[:k]) for (s, k), d in zip(picked, drafts) if d])
+            self.scheduler.speculate(plan, [Verify(s, d[:k]) for (s, k), d in zip(picked, drafts) if d])
         dt = time.perf_counter() - t0
         self.stats.spec_draft_s += dt
         self.stats.phases["prepare"] += dt
@@ -351,7 +340,8 @@ class LLMEngine(Engine):
         """Per verified sequence, the tokens it emits (the agreed drafts, then the argmax after
         them); its stored length rolls back to the tokens the step accepted."""
         st, out = self.stats, []
-        for (s, drafts), argmax in zip(plan.verify, verified):
+        for v, argmax in zip(plan.verify, verified):
+            s, drafts = v.seq, v.drafts
             a = accepted_prefix(drafts, argmax)
             s.num_cached = s.num_tokens + a  # its last token and the agreed drafts are stored
             self.cache.truncate(s.seq_id, s.num_cached)
@@ -361,150 +351,11 @@ class LLMEngine(Engine):
             out.append((s, drafts[:a] + [argmax[a]]))
         return out
 
-    # ---- the step's computation ----------------------------------------------------------------
-
-    def _compute(self, plan: Plan):
-        """The step's computation: pack, forward, sample. Returns (samplers, their tokens, their
-        log-probability entries, forward seconds, per ``plan.verify`` entry the argmax at each of
-        its rows); the cache stores the step's tokens. This is the one part the simulator
-        (``sim/engine.py``) replaces, by a measured step-cost model."""
-        clock = self.stats.phases
-        t1 = time.perf_counter()
-        samplers, ids, pos, rows, attn, scoring = self._prepare(plan)
-        masks = self._start_masks(samplers)  # grammar masks fill while the forward runs
-        # A step whose every row wants only the argmax asks the model for it (no logits): the
-        # same tokens, and a float32 head may find them reading half its weights (greedy_head.py).
-        greedy = masks is None and not scoring.rows and sampler.argmax_only(samplers)
-        t2 = time.perf_counter()
-        out = self.model(ids, pos, attn, rows, greedy=greedy)
-        t3 = time.perf_counter()
-        if greedy:
-            both = out.tolist()
-            tokens, logprobs, argmax = both[:len(samplers)], [None] * len(samplers), both[len(samplers):]
-        else:
-            if masks is not None:
-                self._apply_masks(out, masks)
-            tokens, logprobs, argmax = self._sample(out, samplers, scoring, sum(1 + len(d) for _, d in plan.verify))
-        t4 = time.perf_counter()
-        clock["prepare"] += t2 - t1
-        clock["forward"] += t3 - t2
-        clock["sample"] += t4 - t3
-        verified, at = [], 0
-        for _, d in plan.verify:
-            verified.append(argmax[at:at + 1 + len(d)])
-            at += 1 + len(d)
-        return samplers, tokens, logprobs, t3 - t2, verified
-
-    def _prepare(self, plan: Plan):
-        """Pack the step's tokens; returns (samplers, ids, positions, logit rows, attention,
-        scoring). Logit rows: one per sampler, then the prompt rows in ``scoring``."""
-        # Decode rows first (one token each, all sample), then the prefill chunks.
-        ids = [s.tokens[-1] for s in plan.decode]
-        pos = [s.num_tokens - 1 for s in plan.decode]
-        logit_rows = list(range(len(plan.decode)))
-        samplers = list(plan.decode)
-        scoring = Scoring()
-        row = len(plan.decode)
-        for s, start, n in plan.prefill:
-            ids += s.tokens[start:start + n]
-            pos += range(start, start + n)
-            if s.group.scoring_prompt:
-                self._score_rows(scoring, s, start, n, row)
-            row += n
-            if start + n == s.num_tokens:  # the chunk that completes the prompt samples
-                logit_rows += [row - 1] * (1 + len(s.pending))  # once per fork, each its own seed
-                samplers += [s] + s.pending
-        chunks = [(s.seq_id, start, n) for s, start, n in plan.prefill]
-        logit_rows += scoring.rows
-        for s, drafts in plan.verify:  # last token + drafts: a chunk whose every row is checked
-            start, n = s.num_tokens - 1, 1 + len(drafts)
-            ids += [s.tokens[-1]] + drafts
-            pos += range(start, start + n)
-            chunks.append((s.seq_id, start, n))
-            logit_rows += range(row, row + n)
-            row += n
-        attn = self.cache.plan_step([s.seq_id for s in plan.decode], chunks)
-        dev = self.model.device
-        return samplers, to_device(ids, dev), to_device(pos, dev), to_device(logit_rows, dev), attn, scoring
-
-    def _start_masks(self, samplers: list[Sequence]):
-        """Start filling the grammar masks of the step's constrained rows (in a thread, so it
-        overlaps the forward pass); None when no row is constrained."""
-        if all(s.grammar is None for s in samplers):
-            return None
-        states = [s.grammar for s in samplers]
-        vocab = self.model.cfg.vocab_size
-        if not self.overlap_masks:
-            return _Done(_timed(constraints.fill_masks, states, vocab)), len(states) - states.count(None)
-        if self._mask_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="tinyllm-grammar")
-        return self._mask_pool.submit(_timed, constraints.fill_masks, states, vocab), len(states) - states.count(None)
-
-    def _apply_masks(self, logits, masks) -> None:
-        """Mask the sampling rows (the first len(samplers) rows of ``logits``) in one pass."""
-        job, constrained = masks
-        t0 = time.perf_counter()
-        bitmask, fill_s = job.result()
-        constraints.apply_masks(logits[:bitmask.shape[0]], bitmask)
-        st = self.stats
-        st.grammar_s += fill_s + time.perf_counter() - t0  # fill (overlapped) + wait and apply
-        st.grammar_wait_s += time.perf_counter() - t0
-        st.constrained_tokens += constrained
-
-    @staticmethod
-    def _score_rows(scoring: Scoring, s: Sequence, start: int, n: int, row: int) -> None:
-        """The rows of chunk ``[start, start + n)`` (at step row ``row``) that predict a prompt
-        token not scored yet: position p predicts token p + 1; the last prompt row predicts the
-        first output token, which is sampled, not scored."""
-        g = s.group
-        lo, hi = scored_span(s, start, n)
-        if hi > lo:
-            scoring.rows += range(row + lo - start, row + hi - start)
-            scoring.targets += s.tokens[lo + 1:hi + 1]
-            scoring.groups.append((g, hi - lo))
-
-    def _sample(self, logits, samplers: list[Sequence], scoring: Scoring, n_verify: int = 0):
-        """Sample the step's tokens, gather the log-probabilities asked for and the argmax of the
-        last ``n_verify`` rows (speculative verification): one readback, the step's only host
-        sync (on a GPU, queued forward work finishes inside it). Returns (tokens, per-sampler
-        (token, logprob, alternatives) or None, the verify rows' argmax)."""
-        n, ns = len(samplers), len(scoring.rows)
-        tokens = sampler.sample(logits[:n], samplers) if n else None
-        rows, k, table = sampler.sampled_logprobs(logits[:n], tokens, samplers) if n else ([], 0, None)
-        pk = max((g.request.params.num_prompt_logprobs for g, _ in scoring.groups), default=0)
-        ptable = None
-        if scoring.rows:
-            ptable = sampler.logprob_table(logits[n:n + ns], to_device(scoring.targets, logits.device), pk)
-        argmax = sampler.argmax(logits[n + ns:]) if n_verify else None
-        if table is None and ptable is None:
-            if argmax is None:
-                return (tokens.tolist() if n else []), [None] * n, []
-            both = (torch.cat([tokens, argmax]) if n else argmax).tolist()
-            return both[:n], [None] * n, both[n:]
-        parts = [x.flatten().float() for x in (tokens, table, ptable, argmax) if x is not None]
-        flat = torch.cat(parts).tolist()
-        ids = [int(x) for x in flat[:n]]
-        verified = [int(x) for x in flat[len(flat) - n_verify:]]
-        at = n
-        logprobs: list = [None] * n
-        for i in rows:
-            logprobs[i] = _entry(ids[i], flat[at:at + 1 + 2 * k], k, samplers[i].request.params.num_logprobs)
-            at += 1 + 2 * k
-        t = 0
-        for g, count in scoring.groups:
-            kg = g.request.params.num_prompt_logprobs
-            for target in scoring.targets[t:t + count]:
-                g.prompt_logprobs.append(_entry(target, flat[at:at + 1 + 2 * pk], pk, kg))
-                at += 1 + 2 * pk
-            t += count
-        return ids, logprobs, verified
-
     def _advance(self, plan: Plan) -> None:
         for s in plan.decode:
             s.num_cached += 1
-        for s, start, n in plan.prefill:
-            s.num_cached = start + n
+        for c in plan.prefill:
+            c.seq.num_cached = c.start + c.n
 
     def _append(self, s: Sequence, tok: int) -> str | None:
         """Append a sampled token; return a finish reason if the sequence is done."""
@@ -627,19 +478,12 @@ class LLMEngine(Engine):
             step=self._step, t=round(self.clock() - self.stats.start, 6), running=running,
             waiting=len(self.scheduler.waiting), blocks_used=u.blocks_used, blocks_free=u.blocks_free,
             tokens_stored=u.tokens_stored, slots_allocated=u.slots_allocated,
-            prefill_tokens=sum(n for _, _, n in plan.prefill), decode_tokens=len(plan.decode) + len(plan.verify),
+            prefill_tokens=sum(c.n for c in plan.prefill), decode_tokens=len(plan.decode) + len(plan.verify),
             preempted=n_pre,
             forward_s=round(forward_s, 6), shared_refs=u.shared_refs, cached_free=u.blocks_cached_free,
             shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs,
             **(work or {})))
         self._step += 1
-
-
-def scored_span(s: Sequence, start: int, n: int) -> tuple[int, int]:
-    """Positions [lo, hi) of chunk ``[start, start + n)`` whose rows score a prompt token (empty
-    when lo >= hi): position p predicts token p + 1, skipping tokens already scored and the last
-    prompt position, which predicts the sampled first output token."""
-    return max(start, len(s.group.prompt_logprobs) - 1), min(start + n, s.num_prompt - 1)
 
 
 def plan_work(plan: Plan) -> dict:
@@ -651,39 +495,18 @@ def plan_work(plan: Plan) -> dict:
     and K/V token positions read (each decode row its context, each chunk its context once)."""
     logit_rows = len(plan.decode)
     pairs = kv_read = sum(s.num_tokens for s in plan.decode)  # the row's own token is stored first
-    for s, start, n in plan.prefill:
-        if start + n == s.num_tokens:
+    for c in plan.prefill:
+        s, start, n = c.seq, c.start, c.n
+        if c.completes_prompt:
             logit_rows += 1 + len(s.pending)
         if s.group is not None and s.group.scoring_prompt:
             lo, hi = scored_span(s, start, n)
             logit_rows += max(0, hi - lo)
         pairs += n * start + n * (n + 1) // 2
         kv_read += start + n
-    for s, drafts in plan.verify:  # its last token and the drafts: a chunk, every row through the head
-        n, start = len(drafts) + 1, s.num_tokens - 1
+    for v in plan.verify:  # its last token and the drafts: a chunk, every row through the head
+        n, start = len(v.drafts) + 1, v.seq.num_tokens - 1
         logit_rows += n
         pairs += n * start + n * (n + 1) // 2
         kv_read += start + n
     return {"forwards": 1, "logit_rows": logit_rows, "attn_pairs": pairs, "kv_read_tokens": kv_read}
-
-
-class _Done:
-    """A finished job, shaped like a Future."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-def _timed(fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0
-
-
-def _entry(token: int, vals: list[float], k: int, want: int) -> tuple:
-    """(token, its logprob, [(alternative id, logprob)] best first, ``want`` of them) from one
-    ``logprob_table`` row read back as floats."""
-    return token, vals[0], [(int(vals[1 + k + j]), vals[1 + j]) for j in range(want)]

@@ -33,14 +33,38 @@ from .request import Sequence, Status
 
 
 @dataclass
+class Chunk:
+    """A prefill chunk: ``seq``'s tokens ``[start, start + n)`` are computed and stored this step."""
+
+    seq: Sequence
+    start: int
+    n: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """Whether this chunk reaches the sequence's last token (its last row samples)."""
+        return self.start + self.n == self.seq.num_tokens
+
+
+@dataclass
+class Verify:
+    """A decoding sequence's last token and its draft tokens, checked in one chunk this step."""
+
+    seq: Sequence
+    drafts: list[int]
+
+
+@dataclass
 class Plan:
+    """One step's work, as the scheduler decided it (the engine's runner executes it)."""
+
     decode: list[Sequence] = field(default_factory=list)
-    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)  # (seq, start, n)
+    prefill: list[Chunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)
     recomputed: int = 0  # tokens computed before a preemption that re-admission computes again
     budget: int = 0  # prefill tokens the step left unspent (draft tokens may take them)
-    verify: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # (seq, its draft tokens)
+    verify: list[Verify] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -115,7 +139,7 @@ class Scheduler:
         for s in self.running:
             if s.status is Status.PREFILL and budget > 0:
                 n = min(s.num_tokens - s.num_cached, budget)
-                plan.prefill.append((s, s.num_cached, n))
+                plan.prefill.append(Chunk(s, s.num_cached, n))
                 self.cache.commit(s.seq_id, s.tokens, s.num_cached + n)
                 budget -= n
         return budget
@@ -130,13 +154,13 @@ class Scheduler:
             needs.append((s.seq_id, s.num_tokens, k))
         return self.cache.draft_room(needs)
 
-    def speculate(self, plan: Plan, drafts: list[tuple[Sequence, list[int]]]) -> None:
+    def speculate(self, plan: Plan, drafts: list[Verify]) -> None:
         """Verify these decoding sequences' drafts this step (each within its ``draft_room``):
         they leave ``plan.decode`` for ``plan.verify`` and grow to hold their drafts."""
-        for s, d in drafts:
-            self.cache.grow(s.seq_id, s.num_tokens + len(d))
-            plan.budget -= len(d)
-        moved = {s.seq_id for s, _ in drafts}
+        for v in drafts:
+            self.cache.grow(v.seq.seq_id, v.seq.num_tokens + len(v.drafts))
+            plan.budget -= len(v.drafts)
+        moved = {v.seq.seq_id for v in drafts}
         plan.decode = [s for s in plan.decode if s.seq_id not in moved]
         plan.verify += drafts
 
@@ -162,7 +186,7 @@ class Scheduler:
             s.status, s.num_cached = Status.PREFILL, cached
             self.running.append(s)
             n = min(s.num_tokens - cached, budget)
-            plan.prefill.append((s, cached, n))
+            plan.prefill.append(Chunk(s, cached, n))
             # Registered now, so the next admission in this very step can share these blocks.
             self.cache.commit(s.seq_id, s.tokens, cached + n)
             budget -= n

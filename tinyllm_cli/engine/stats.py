@@ -387,3 +387,38 @@ def spec_summary(method: str, drafted: int, accepted: int, verifications: int, e
             "spec_verifications": verifications, "spec_emitted_tokens": emitted,
             "spec_tokens_per_verify": round(emitted / verifications, 3) if verifications else 0.0,
             "spec_draft_s": round(draft_s, 4)}
+
+
+GRAMMAR_KEYS = ("constrained_tokens", "grammar_s", "grammar_wait_s", "grammar_compile_s", "grammar_cache_hits")
+
+
+def merge_worker_summaries(sums: list[dict], elapsed: float) -> dict:
+    """Cache and scheduler figures over all workers (each worker has its own pool)."""
+    def total(k):
+        return sum(x[k] for x in sums)
+
+    def most(k):
+        return max(x[k] for x in sums)
+
+    first = sums[0]
+    q, h = total("prefix_cache_queries"), total("prefix_cache_hits")
+    forward = total("forward_s")
+    return {
+        "cache_kind": first["cache_kind"], "block_size": first["block_size"], "num_blocks": first["num_blocks"],
+        "kv_bytes": first["kv_bytes"], "steps": total("steps"), "peak_running": total("peak_running"),
+        "peak_blocks_used": most("peak_blocks_used"),
+        "mean_block_utilization": round(sum(x["mean_block_utilization"] for x in sums) / len(sums), 4),
+        "peak_block_utilization": most("peak_block_utilization"),
+        "mean_wasted_slots": round(sum(x["mean_wasted_slots"] for x in sums) / len(sums), 2),
+        "peak_wasted_slots": most("peak_wasted_slots"),
+        "preemptions": total("preemptions"), "recomputed_tokens": total("recomputed_tokens"),
+        "prefill_tokens": total("prefill_tokens"), "decode_tokens": total("decode_tokens"),
+        "work_counts": {k: sum(x["work_counts"][k] for x in sums) for k in sums[0]["work_counts"]},
+        "prefix_caching": first["prefix_caching"], "prefix_cache_queries": q, "prefix_cache_hits": h,
+        "prefix_cache_hit_rate": round(h / q, 4) if q else 0.0, "prefill_tokens_skipped": h,
+        "peak_shared_refs": most("peak_shared_refs"), "forward_s": round(forward, 4),
+        # Wall time of all workers together that was not a forward pass (dispatch, transfers, idling).
+        "engine_overhead_frac": round(max(0.0, 1 - forward / max(elapsed * len(sums), 1e-9)), 4),
+        **{k: round(sum(x.get(k, 0) for x in sums), 4) for k in GRAMMAR_KEYS},
+        **spec_summary(first.get("spec_method", "none"), *(sum(x.get(k, 0) for x in sums) for k in SPEC_COUNTS)),
+    }

@@ -22,12 +22,12 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Callable
 
+from .. import machine
 from ..errors import CheckpointError
 
 if TYPE_CHECKING:  # annotations only: the GGUF header reader imports this module, keep it light
@@ -204,29 +204,11 @@ def _allowed_roots(root: Path) -> list[Path]:
 
 # ---- memory ---------------------------------------------------------------------------------
 
-def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
-    """Bytes this process can still allocate without swapping, or None where unknown. Linux's
-    MemAvailable counts reclaimable page cache (the checkpoint file's own pages among it);
-    ``SC_AVPHYS_PAGES`` elsewhere counts free pages only, so it errs on the low side."""
-    try:
-        with open(meminfo, encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the kernel writes kB and means KiB
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not on this platform (macOS, Windows)
-        return None
-    return pages * size if pages > 0 and size > 0 else None
-
-
 def check_memory(need: int, source: str, alternative: str = "") -> None:
     """Refuse before the big allocations when the weights alone will not fit. ``need`` is a lower
     bound of the load's peak (the weights as they will be held; no K/V cache, no temporaries), so
     a refusal is never wrong about the weights; a pass promises nothing about the rest."""
-    avail = available_memory()
+    avail = machine.host_available_memory()
     if avail is None or need <= avail:
         return
     a, b = two_sizes(need, avail)

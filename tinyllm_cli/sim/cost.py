@@ -40,9 +40,9 @@ def step_features(plan, block_size: int | None) -> list[float]:
     ctx = sum(s.num_tokens for s in plan.decode)
     blocks = 0 if block_size is None else sum(-(-s.num_tokens // block_size) for s in plan.decode)
     p = a = 0
-    for _, start, n in plan.prefill:
-        p += n
-        a += n * (start + (n + 1) / 2)
+    for c in plan.prefill:
+        p += c.n
+        a += c.n * (c.start + (c.n + 1) / 2)
     return [1.0, rows, ctx, p, a, len(plan.prefill), blocks]
 
 
@@ -193,46 +193,47 @@ CALIBRATION = [  # (prompts, mean prompt length, output length, max_num_seqs): p
 CALIBRATION_BLOCK_SIZES = (16, 8, 32)  # paged workloads cycle through these, so c_blk is identifiable
 
 
-def calibrate(cfg, kinds=("paged", "slot"), quiet: bool = False, scale: float = 1.0) -> CostModel:
-    """Time real steps of ``cfg``'s model on this machine over a spread of batch shapes (per
-    cache kind) and fit a ``CostModel``. ``scale`` shrinks the workloads (tests)."""
+def calibrate(llm, kinds=("paged", "slot"), quiet: bool = False, scale: float = 1.0) -> CostModel:
+    """Time real steps of an open ``LLM``'s model on this machine over a spread of batch shapes
+    (per cache kind) and fit a ``CostModel``. ``scale`` shrinks the workloads (tests). The caller
+    owns the ``LLM`` (the simulator sits below it and never builds one); its engine is
+    reconfigured for each workload."""
     import dataclasses
     import sys
 
     import torch
 
-    from ..llm import LLM
     from ..workload import random_prompts, requests_for
     coefs, fits, samples = {}, {}, {}
-    with LLM(config=cfg, progress=not quiet) as llm:
-        rt = llm.runtime
-        mcfg = rt.model_cfg
-        limit = min(cfg.cache.max_model_len, mcfg.max_position_embeddings)
-        for kind in kinds:
-            timer = StepTimer()
-            c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False)
-            llm.reconfigure(config=dataclasses.replace(llm.config, cache=c))
-            for _ in llm.run(requests_for(random_prompts(mcfg, 4, 64, 0.5, seed=99), 8)):
-                pass  # warm-up, untimed: first-call costs must not land on a sample
-            for i, (num, inp, out, mns) in enumerate(CALIBRATION):
-                num = max(2, int(num * scale))
-                inp = max(4, min(int(inp * scale), limit // 2))
-                out = max(4, min(int(out * scale), limit - 2 * inp))
-                bs = CALIBRATION_BLOCK_SIZES[i % len(CALIBRATION_BLOCK_SIZES)] if kind == "paged" else llm.config.cache.block_size
-                c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False, block_size=bs)
-                s = dataclasses.replace(llm.config.scheduler, max_num_seqs=mns)
-                llm.reconfigure(config=dataclasses.replace(llm.config, cache=c, scheduler=s))
-                llm.engine.add_observer(timer)
-                timer.gap()
-                prompts = random_prompts(mcfg, num, inp, 0.5, seed=100 + i)
-                for _ in llm.run(requests_for(prompts, out)):
-                    pass
-                if not quiet:
-                    print(f"calibrate {kind}: workload {i + 1}/{len(CALIBRATION)} ({num} x {inp} in / {out} out), "
-                          f"{len(timer.samples)} steps timed", file=sys.stderr)
-            coefs[kind], fits[kind] = fit(timer.samples)
-            samples[kind] = [[round(x, 3) for x in f] + [round(t, 6)] for f, t in timer.samples]
-        facts = rt.facts()
+    cfg = llm.config
+    rt = llm.runtime
+    mcfg = rt.model_cfg
+    limit = min(cfg.cache.max_model_len, mcfg.max_position_embeddings)
+    for kind in kinds:
+        timer = StepTimer()
+        c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False)
+        llm.reconfigure(config=dataclasses.replace(llm.config, cache=c))
+        for _ in llm.run(requests_for(random_prompts(mcfg, 4, 64, 0.5, seed=99), 8)):
+            pass  # warm-up, untimed: first-call costs must not land on a sample
+        for i, (num, inp, out, mns) in enumerate(CALIBRATION):
+            num = max(2, int(num * scale))
+            inp = max(4, min(int(inp * scale), limit // 2))
+            out = max(4, min(int(out * scale), limit - 2 * inp))
+            bs = CALIBRATION_BLOCK_SIZES[i % len(CALIBRATION_BLOCK_SIZES)] if kind == "paged" else llm.config.cache.block_size
+            c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False, block_size=bs)
+            s = dataclasses.replace(llm.config.scheduler, max_num_seqs=mns)
+            llm.reconfigure(config=dataclasses.replace(llm.config, cache=c, scheduler=s))
+            llm.engine.add_observer(timer)
+            timer.gap()
+            prompts = random_prompts(mcfg, num, inp, 0.5, seed=100 + i)
+            for _ in llm.run(requests_for(prompts, out)):
+                pass
+            if not quiet:
+                print(f"calibrate {kind}: workload {i + 1}/{len(CALIBRATION)} ({num} x {inp} in / {out} out), "
+                      f"{len(timer.samples)} steps timed", file=sys.stderr)
+        coefs[kind], fits[kind] = fit(timer.samples)
+        samples[kind] = [[round(x, 3) for x in f] + [round(t, 6)] for f, t in timer.samples]
+    facts = rt.facts()
     return CostModel(coefs=coefs, model=facts["model"], dtype=facts["dtype"], device=facts["device"],
                      threads=torch.get_num_threads(), model_config=asdict(mcfg), fit=fits, samples=samples,
                      made_with="tinyllm simulate calibrate")

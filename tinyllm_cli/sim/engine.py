@@ -2,10 +2,10 @@
 
 It *is* an ``LLMEngine``: the same ``add_request`` checks, the same ``Scheduler``, the same paged
 or slot cache (built with ``tensors=False``: tables, lengths, free list and prefix cache, no K/V),
-the same ``step`` (failures, forks, observers, stop checks, outputs, ``RunStats``). Only
-``_compute`` differs: instead of packing and running the model it asks the cost model how long
-the step takes, advances a virtual clock by that much, stores the step's tokens in the cache's
-bookkeeping and "samples" a synthetic token per row. Requests are greedy with ``ignore_eos``, so
+the same ``step`` (failures, forks, observers, stop checks, outputs, ``RunStats``), on a virtual
+clock it passes in. Only the runner differs: a ``CostRunner`` instead of packing and running the
+model asks the cost model how long the step takes, advances the virtual clock by that much,
+stores the step's tokens in the cache's bookkeeping and "samples" a synthetic token per row. Requests are greedy with ``ignore_eos``, so
 a request finishes exactly at its ``max_new_tokens`` (its trace ``output_len``), as it would in a
 real run.
 
@@ -27,8 +27,10 @@ import math
 import torch
 
 from ..engine.engine import LLMEngine
+from ..engine.runner import RunnerOutput, samplers_of
+from ..engine.scheduler import Plan
 from ..engine.request import Status
-from ..engine.stats import StepRecord
+from ..engine.stats import RunStats, StepRecord
 from ..model.llama import ModelConfig
 from .cost import CostModel
 
@@ -41,40 +43,68 @@ class _NoModel:
         self.device = torch.device("cpu")
 
 
+class VirtualClock:
+    """Simulated seconds: read by calling it, moved on by the cost runner and skip-ahead."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostRunner:
+    """The runner of a simulated engine: a step costs what the cost model says, on the virtual
+    clock; the cache's bookkeeping stores the step's tokens; each sampler gets a synthetic token."""
+
+    def __init__(self, cache, cost: CostModel, clock: VirtualClock, vocab_size: int):
+        self.cache, self.clock = cache, clock
+        self.cost = cost.for_cache(cache)
+        self._span = max(1, vocab_size - 8)
+
+    def token(self, s) -> int:
+        """The synthetic token ``s`` generates at its position ``num_tokens``."""
+        return 4 + (s.seq_id * 7919 + s.num_tokens * 104729) % self._span
+
+    def run(self, plan: Plan, stats: RunStats) -> RunnerOutput:
+        dt = self.cost.step_time(plan)
+        samplers = samplers_of(plan)
+        self.cache.advance([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
+        self.clock.now += dt
+        stats.phases["forward"] += dt
+        return RunnerOutput(samplers, [self.token(s) for s in samplers], [None] * len(samplers), dt,
+                            verified=[])  # the simulator does not speculate
+
+    def close(self) -> None:
+        pass
+
+
 class SimEngine(LLMEngine):
     def __init__(self, model_cfg: ModelConfig, cache, cost: CostModel, *, max_num_seqs: int = 64,
                  max_prefill_tokens: int = 2048, max_model_len: int | None = None, skip_ahead: bool = True):
         if getattr(cache, "has_tensors", False):
             raise ValueError("the simulator's cache is bookkeeping only: build it with tensors=False")
-        self.now = 0.0
-        self.clock = self._now  # virtual time: every timestamp the engine and its stats take
+        clock = VirtualClock()
+        runner = CostRunner(cache, cost, clock, model_cfg.vocab_size)
         super().__init__(_NoModel(model_cfg), cache, None, max_num_seqs=max_num_seqs,
-                         max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, eos_ids=(), seed=0)
-        self.cost = cost.for_cache(cache)
+                         max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, eos_ids=(), seed=0,
+                         runner=runner, clock=clock)
+        self.cost = runner.cost
         self.skip_ahead = skip_ahead
         self.next_arrival = math.inf  # set by the caller: no window may start a step at or after it
         self.skipped_steps = 0  # steps taken in bulk by skip-ahead
-        self._span = max(1, model_cfg.vocab_size - 8)
+        self._token = runner.token
 
-    def _now(self) -> float:
-        return self.now
+    @property
+    def now(self) -> float:
+        """The virtual time, in seconds since the engine was built."""
+        return self.clock.now
 
-    def _token(self, s) -> int:
-        """The synthetic token ``s`` generates at its position ``num_tokens``."""
-        return 4 + (s.seq_id * 7919 + s.num_tokens * 104729) % self._span
+    @now.setter
+    def now(self, t: float) -> None:
+        self.clock.now = t
 
     # ---- the step ----------------------------------------------------------------------------
-
-    def _compute(self, plan):
-        dt = self.cost.step_time(plan)
-        samplers = list(plan.decode)
-        for s, start, n in plan.prefill:
-            if start + n == s.num_tokens:
-                samplers += [s] + s.pending
-        self.cache.advance([s.seq_id for s in plan.decode], [(s.seq_id, st, n) for s, st, n in plan.prefill])
-        self.now += dt
-        self.stats.phases["forward"] += dt
-        return samplers, [self._token(s) for s in samplers], [None] * len(samplers), dt, []  # nothing verified
 
     def step(self):
         if self.skip_ahead and not self.observers:

@@ -22,7 +22,7 @@ import torch
 from ..config import Config
 from ..engine.dispatch import least_loaded
 from ..engine.request import Request, RequestOutput
-from ..engine.stats import RunStats, RunSummary
+from ..engine.stats import RunStats, RunSummary, merge_worker_summaries
 from ..errors import UsageError
 from ..runtime import Runtime, make_cache
 from .cost import CostModel
@@ -137,7 +137,6 @@ class Simulation:
 
     def summary(self) -> RunSummary:
         """The run's figures with the keys of a real run's ``--stats-json``."""
-        from ..cluster import merge_worker_summaries
         if len(self.engines) == 1:
             e = self.engines[0]
             e.stats.end = self.stats.end
