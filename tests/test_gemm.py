@@ -16,7 +16,8 @@ from conftest import run_without_kernels
 from tinyllm_cli import kernels
 from tinyllm_cli.model import gemm as gemm_module
 from tinyllm_cli.model.gemm import PackedLinear, PanelLinear, onednn_usable, panel_usable, resolve_gemm
-from tinyllm_cli.model.llama import build_model, fused_layer_args
+from tinyllm_cli.model.fused import LinearKind, fused_layer_args
+from tinyllm_cli.model.llama import build_model
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(not onednn_usable(torch.float32, CPU), reason="torch built without oneDNN")
@@ -219,7 +220,7 @@ def test_panel_model_packs_every_linear_and_matches_the_torch_path(llama_dir, dt
     assert panel.gemm == "panel" and not any(isinstance(m, nn.Linear) for m in panel.modules())
     assert sum(isinstance(m, PanelLinear) for m in panel.modules()) == 4 * ck.config.num_layers + 1
     if kernels.load():
-        assert {k for layer in panel.layers for k in fused_layer_args(layer)[1]} == {5}
+        assert {s.kind for layer in panel.layers for s in fused_layer_args(layer).linears} == {LinearKind.PANEL}
 
     from tinyllm_cli.cache.attention import NoCacheAttention
     ids = torch.randint(3, ck.config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))

@@ -19,7 +19,9 @@ from tinyllm_cli import kernels
 from tinyllm_cli.cache.attention import causal_attention, chunk_mask, decode_attention, resolve_attention
 from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
 from tinyllm_cli.machine import cpu_flags_line
-from tinyllm_cli.model.llama import apply_rope, fused_layer_args, use_native_ops
+from tinyllm_cli.model import fused
+from tinyllm_cli.model.fused import LinearKind, fused_layer_args
+from tinyllm_cli.model.llama import apply_rope, use_native_ops
 
 from conftest import run_without_kernels, wait_s
 from test_engine import make_requests, preempting_blocks, reference_greedy, run
@@ -301,8 +303,8 @@ def test_fused_layer_equals_the_python_layer_exactly(model_name, request):
     log-probabilities are bitwise equal."""
     model = request.getfixturevalue(model_name)
     assert model.stack is not None
-    kinds = {k for layer in model.layers for k in fused_layer_args(layer)[1]}
-    assert kinds == {{"onednn": 2, "panel": 5, "torch": 0}[model.gemm]}
+    kinds = {s.kind for layer in model.layers for s in fused_layer_args(layer).linears}
+    assert kinds == {{"onednn": LinearKind.ONEDNN, "panel": LinearKind.PANEL, "torch": LinearKind.TORCH}[model.gemm]}
     assert_fused_equals_ops(model, torch.float32)
 
 
@@ -357,7 +359,7 @@ def test_fused_layer_runs_widened_bf16_linears_exactly(no_bf16_onednn, llama_dir
     model = build_model(ck.config, ck.weights, torch.bfloat16, "cpu", "onednn")
     if model.gemm != "onednn-f32":
         pytest.skip("torch built without oneDNN")
-    assert {k for layer in model.layers for k in fused_layer_args(layer)[1]} == {4}
+    assert {s.kind for layer in model.layers for s in fused_layer_args(layer).linears} == {LinearKind.ONEDNN_WIDENED}
     assert_fused_equals_ops(model, torch.bfloat16)
 
 
@@ -373,14 +375,14 @@ def test_fused_layer_runs_panel_linears_exactly(llama_dir, dtype):
         pytest.skip("the kernels were built without AVX2 / AVX-512")
     ck = load_checkpoint(str(llama_dir), progress=False)
     model = build_model(ck.config, ck.weights, dtype, "cpu", "panel")
-    assert {k for layer in model.layers for k in fused_layer_args(layer)[1]} == {5}
+    assert {s.kind for layer in model.layers for s in fused_layer_args(layer).linears} == {LinearKind.PANEL}
     assert_fused_equals_ops(model, dtype)
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_layer_in_mlp_chunks_is_the_whole_step_bit_for_bit(llama_dir, dtype, monkeypatch):
-    """A big step's MLP in row chunks (llama.mlp_chunk_rows; forced here to 3 rows, so 8-row
+    """A big step's MLP in row chunks (fused.mlp_chunk_rows; forced here to 3 rows, so 8-row
     chunks and a shorter last one), in the one-call layer and in the Python layer, gives the
     tokens and log-probabilities of the whole step at once, bitwise; by default a chunk is at
     least 256 rows and only panels chunk."""
@@ -391,11 +393,11 @@ def test_fused_layer_in_mlp_chunks_is_the_whole_step_bit_for_bit(llama_dir, dtyp
         pytest.skip("the kernels were built without AVX2 / AVX-512")
     ck = load_checkpoint(str(llama_dir), progress=False)
     model = llama.build_model(ck.config, ck.weights, dtype, "cpu", "panel")
-    assert all(fused_layer_args(layer)[-1] >= 256 for layer in model.layers)
+    assert all(fused_layer_args(layer).mlp_rows >= 256 for layer in model.layers)
     torch_model = llama.build_model(ck.config, ck.weights, dtype, "cpu", "torch")
-    assert all(fused_layer_args(layer)[-1] == 0 for layer in torch_model.layers)
+    assert all(fused_layer_args(layer).mlp_rows == 0 for layer in torch_model.layers)
     whole = assert_fused_equals_ops(model, dtype)
-    monkeypatch.setattr(llama, "mlp_chunk_rows", lambda layer: 3)
+    monkeypatch.setattr(fused, "mlp_chunk_rows", lambda layer: 3)
     assert assert_fused_equals_ops(model, dtype) == whole
 
 
@@ -583,6 +585,67 @@ def test_a_build_that_outlasts_the_wait_leaves_the_pytorch_path_and_one_note(tmp
     notes = [ln for ln in p.stderr.splitlines() if ln.startswith("note:")]
     assert len(waits) == 1 and f"(pid {builder.pid})" in waits[0]
     assert len(notes) == 1 and f"pid {builder.pid}, was still building them after 2 s" in notes[0]
+
+
+# ---- one extension from many files: the key covers them all; shared codes agree ---------------
+
+def test_every_source_builds_into_one_library_keyed_by_every_source_and_header(tmp_path, monkeypatch):
+    """The library is every .cpp compiled in one load (one TORCH_LIBRARY), and a change to any
+    .cpp or .h, or a new file, gives a new build key (a cached build never outlives its source)."""
+    here = Path(kernels.__file__).parent
+    files = sorted(p.name for p in [*here.glob("*.cpp"), *here.glob("*.h")])
+    assert {"bindings.cpp", "isa.h", "ops.h"} <= set(files)
+    copy = tmp_path / "kernels"
+    copy.mkdir()
+    for name in files:
+        (copy / name).write_bytes((here / name).read_bytes())
+    monkeypatch.setattr(kernels, "KERNEL_DIR", copy)
+    assert [p.name for p in kernels.sources()] == [f for f in files if f.endswith(".cpp")]
+    assert [p.name for p in kernels.source_files()] == files
+    keys = {kernels.build_key()}
+    for name in files:
+        original = (copy / name).read_bytes()
+        (copy / name).write_bytes(original + b"\n")
+        keys.add(kernels.build_key())
+        (copy / name).write_bytes(original)
+    (copy / "new.h").write_text("#pragma once\n")
+    keys.add(kernels.build_key())
+    assert len(keys) == len(files) + 2
+    from torch.utils import cpp_extension
+    built = []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, sources, **kw: built.append(sources))
+    kernels._build(tmp_path / "build", "k")
+    assert built == [[str(p) for p in kernels.sources()]]
+
+
+def test_package_data_ships_every_source_and_header():
+    text = (Path(kernels.__file__).parents[2] / "pyproject.toml").read_text()
+    assert '"tinyllm_cli.kernels" = ["*.cpp", "*.h"]' in text
+
+
+@needs_kernels
+def test_the_kernels_number_the_linear_kinds_as_python_does(monkeypatch):
+    """model/fused.py's LinearKind and the C++ LinearKind (exported by linear_kinds()) agree name
+    for name and value for value; a library that disagreed would be refused before a stack is
+    built."""
+    assert kernels.linear_kinds() == {kind.name: kind.value for kind in LinearKind}
+    fused.check_linear_kinds()
+    monkeypatch.setattr(kernels, "linear_kinds", lambda: {**{k.name: k.value for k in LinearKind}, "PANEL": 7})
+    with pytest.raises(RuntimeError, match="number the linear kinds"):
+        fused.check_linear_kinds.__wrapped__()
+
+
+@needs_kernels
+def test_a_stack_with_an_unknown_linear_kind_is_refused(tiny_model):
+    """The C++ side checks the kinds it is given when the stack is made, not mid-step."""
+    args = fused.fused_layer_args(tiny_model.layers[0])
+    specs = args.linears
+    first = tiny_model.layers[0]
+    with pytest.raises(RuntimeError, match="unknown linear kind 7"):
+        kernels.decoder_stack_new([s.weight for s in specs], [int(s.kind) for s in specs[:3]] + [7],
+                                  [s.aux for s in specs], [s.bias for s in specs], [args.input_norm],
+                                  [args.post_norm], args.eps, [args.mlp_rows], first.n_heads, first.n_kv,
+                                  first.head_dim)
 
 
 def test_bad_attention_value_is_a_usage_error(tmp_path):

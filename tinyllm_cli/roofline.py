@@ -35,7 +35,7 @@ Invariants:
   model's, as for every engine): greedy steps of a float32 model with a screened head
   (``model/greedy_head.py``) read the output matrix in bfloat16 and compute it at the bfloat16
   rate; and the last decoder layer on tinyllm's panels carries only the rows whose logits are
-  read past its K/V projection (``model/llama.py``'s ``keep_rows``), about 1/L of a prompt
+  read past its K/V projection (``model/fused.py``'s ``keep_rows``), about 1/L of a prompt
   step's matmuls skipped.
 - The peak is a microbenchmark in this process, on the run's device: the best matmul rate of
   ``F.linear``, and on a CPU also of the resolved packed linear (oneDNN or tinyllm's panels,

@@ -1,4 +1,5 @@
-"""Native CPU kernels (``cpu_kernels.cpp``), built on first use and cached on disk.
+"""Native CPU kernels (the ``.cpp`` and ``.h`` files beside this one, README.md maps them), built
+on first use and cached on disk as one extension, ``torch.ops.tinyllm``.
 
 Why native code: decode attention over a paged pool in PyTorch ops gathers every sequence's K/V
 into a padded copy per layer and runs SDPA on it; at batch 32 that is ~0.4 ms a layer, 12 ms a
@@ -18,8 +19,12 @@ Invariants:
   ``make setup`` / ``make test`` (``python -m tinyllm_cli.kernels``) fail on a failed build
   unless ``opted_out()``: ``TINYLLM_ALLOW_NO_KERNELS=1`` accepts the fallback, for a machine
   without a compiler.
-- The build directory is keyed by the source, torch's version and the CPU's flags: the library
-  is compiled with ``-march=native``, so a cache never serves one built for another CPU or torch.
+- All the ``.cpp`` files compile into one library in one ``cpp_extension.load`` call (one
+  ``TORCH_LIBRARY``, in bindings.cpp). Its build directory is keyed by every source and header
+  (name and bytes), torch's version and the CPU's flags: the library is compiled with
+  ``-march=native``, so a cache never serves one built for another CPU, torch or source.
+- Codes shared with Python are exported by the library: ``linear_kinds()`` gives the C++
+  ``LinearKind`` by name, which ``model/fused.py`` checks against its own before it builds a stack.
 - One build per key across processes, one load per process. The lock is an ``flock`` on
   ``<key>.lock`` beside the build directory, so it dies with its holder: a build killed midway
   never blocks a later one (its leftovers, torch's own ``lock`` file included, are cleared under
@@ -51,7 +56,7 @@ try:
 except ImportError:  # not POSIX: builds are not locked across processes
     fcntl = None
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+KERNEL_DIR = Path(__file__).parent
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LOCK_WAIT_S = 300.0  # how long to wait for another live process's build before taking the PyTorch path
 _NOTE_AFTER_S = 1.0  # a shorter wait (a loader, or a builder about to finish) goes unmentioned
@@ -67,10 +72,23 @@ def cache_root() -> Path:
     return Path(base) / "tinyllm" / "kernels"
 
 
+def sources() -> list[Path]:
+    """The translation units, compiled together into one library."""
+    return sorted(KERNEL_DIR.glob("*.cpp"))
+
+
+def source_files() -> list[Path]:
+    """Everything the library is built from: the sources and the headers they include."""
+    return sorted([*KERNEL_DIR.glob("*.cpp"), *KERNEL_DIR.glob("*.h")])
+
+
 def build_key() -> str:
+    """The cache key of a build: every source file's name and bytes, torch's and Python's versions,
+    the CPU's flags and the compiler flags."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), cpu_flags_line().encode(), sys.version.encode(),
-                 " ".join(CFLAGS).encode()):
+    for path in source_files():
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for part in (torch.__version__.encode(), cpu_flags_line().encode(), sys.version.encode(), " ".join(CFLAGS).encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -173,7 +191,7 @@ def _build(directory: Path, name: str) -> None:
     builder_log.setLevel(logging.ERROR)  # its compiler-ABI warning is not ours to show
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the builder's notes must not reach stdout
-            cpp_extension.load(name, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+            cpp_extension.load(name, [str(p) for p in sources()], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                                build_directory=str(directory), is_python_module=False, verbose=False)
     finally:
         builder_log.setLevel(level)
@@ -295,7 +313,7 @@ def load_error() -> str | None:
 
 
 def paged_attention(q, k_pool, v_pool, block_tables, row_seq, row_len, block_size: int, scale: float):
-    """See ``cpu_kernels.cpp``: q [T, H, D], pools [P, Hkv, D], tables [S, NB]; query row t
+    """See ``ops.h``: q [T, H, D], pools [P, Hkv, D], tables [S, NB]; query row t
     attends to positions [0, row_len[t]) of sequence row_seq[t]."""
     return torch.ops.tinyllm.paged_attention(q, k_pool, v_pool, block_tables, row_seq, row_len, block_size, scale)
 
@@ -314,8 +332,8 @@ def decoder_stack_new(weights, kinds, aux, biases, input_norms, post_norms, eps:
                       n_heads: int, n_kv: int, head_dim: int):
     """Every decoder layer's static arguments held in one kernel object (``decoder_stack`` runs
     them): the four linears' weights, kinds, aux tensors and biases of each layer, layer after
-    layer; one input norm, post norm and ``mlp_rows`` per layer (model/llama.py's
-    ``fused_layer_args``). ``mlp_rows`` > 0: a step of more rows runs that layer's MLP in row
+    layer; one input norm, post norm and ``mlp_rows`` per layer (``model/fused.py``'s
+    ``FusedLayerArgs``). ``mlp_rows`` > 0: a step of more rows runs that layer's MLP in row
     chunks of about that many."""
     return torch.ops.tinyllm.decoder_stack_new(weights, kinds, aux, biases, input_norms, post_norms, eps, mlp_rows,
                                                n_heads, n_kv, head_dim)
@@ -325,11 +343,17 @@ def decoder_stack(stack, x, cos, sin_signed, k_pools, v_pools, slot_mapping, blo
                   block_size: int, keep=None):
     """Every layer of ``stack`` over a step's embedded rows ``x`` (updated in place), one K/V pool
     pair per layer; returns the residual stream and the last layer's MLP output, which the final
-    norm adds (model/llama.py's ``LlamaModel.forward``). ``keep``: int64 row indices; the last
+    norm adds (``model/fused.py``'s ``run_stack``). ``keep``: int64 row indices; the last
     layer writes every row's K/V and carries only these rows past them (the pair returned is
     theirs)."""
     return torch.ops.tinyllm.decoder_stack(stack, x, cos, sin_signed, k_pools, v_pools, slot_mapping, block_tables,
                                            row_seq, row_len, block_size, keep)
+
+
+def linear_kinds() -> dict[str, int]:
+    """The C++ ``LinearKind`` values by name (``ops.h``): how ``decoder_stack_new``'s ``kinds`` are
+    numbered."""
+    return dict(torch.ops.tinyllm.linear_kinds())
 
 
 def int8_linear(x, q, scale, float32_out: bool = False):
@@ -357,7 +381,7 @@ def panel_linear(x, w, bias=None):
 def panel_argmax(x, w, ws, rows, norms):
     """argmax over the columns of ``panel_linear(x, w)`` (float32 x and w, no bias), the same index,
     screened through ``ws`` (w in bfloat16, packed alike), ``rows`` (w unpacked, [N, K] float32)
-    and ``norms`` (each output's weight norm, rounded up): see cpu_kernels.cpp and
+    and ``norms`` (each output's weight norm, rounded up): see argmax.cpp and
     model/greedy_head.py. Needs ``panel_isa()`` '-bf16'."""
     return torch.ops.tinyllm.panel_argmax(x, w, ws, rows, norms)
 

@@ -13,7 +13,7 @@ weights are packed in float32 (``onednn-f32``: the bfloat16 values exactly, twic
 each matmul widens its bfloat16 input, accumulates in float32 and rounds the output once to
 bfloat16, which is what a bfloat16 matmul with float32 accumulation computes.
 
-``panel`` (tinyllm's kernel, ``kernels/cpu_kernels.cpp``): weights stored once, in column panels
+``panel`` (tinyllm's kernel, ``kernels/matmul_panels.cpp``): weights stored once, in column panels
 of float32 or bfloat16, read sequentially once per step. A decode step multiplies a few rows by
 every weight and is bound by reading them; oneDNN's packed matmul streams weights at about a third
 of the memory bandwidth at 1-16 rows, this kernel most of it. With AVX2 (measured on Zen 3, 2

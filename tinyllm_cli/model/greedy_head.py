@@ -7,7 +7,7 @@ only the index of its largest logit. ``GreedyScreen`` keeps a bfloat16 copy of t
 each vocabulary row's norm; ``kernels.panel_argmax`` computes the row's logits from the copy
 (half the bytes, half the FMA time on vdpbf16ps), bounds how far each can be from the float32
 logit, and recomputes in float32 only the few tokens that could still be the maximum (see its
-comment in ``cpu_kernels.cpp`` for the bound). On 2 Zen 4 cores, the 135M shape's head with its
+comment in ``kernels/argmax.cpp`` for the bound). On 2 Zen 4 cores, the 135M shape's head with its
 argmax: 4.7 -> 2.4 ms at 1 row, 5.3 -> 3.4 ms at 16, 9.6 -> 5.9 ms at 32.
 
 Invariants:

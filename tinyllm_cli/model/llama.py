@@ -22,9 +22,11 @@ Invariants:
 - On CPU, where ``tinyllm_cli.kernels`` builds, residual add + RMSNorm, RoPE and SiLU * up run as
   one fused kernel each (``model.native``); the PyTorch ops stay as the reference and the path
   for every other device. The residual add of each layer's MLP is deferred into the next norm.
-- On panels a big step's MLP runs in row chunks (``mlp_chunk_rows``), in both the one-call layer
-  and this one: a panel row's output does not depend on the rows beside it, so the bits are
-  those of one pass.
+  With the paged kernel attention every layer runs in one C++ call a step (``fused.py``: the
+  same ops in the same order, the same bits).
+- On panels a big step's MLP runs in row chunks (``fused.mlp_chunk_rows``), in both the C++
+  layer and this one: a panel row's output does not depend on the rows beside it, so the bits
+  are those of one pass.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import kernels as native
-from .gemm import PackedLinear, PanelLinear, pack_linears, resolve_gemm
+from . import fused
+from .gemm import pack_linears, resolve_gemm
 from .greedy_head import head_argmax, screen_for
-from . import quant as quant_forms
-from .quant import Int4Linear, Int8Embedding, Int8Head, Int8Rows, Q4Linear, QuantWeight, int4_linear, is_quantized
+from .quant import Int8Embedding, Int8Head, Int8Rows, QuantWeight, int4_linear, is_quantized
 
 
 @dataclass
@@ -185,12 +187,13 @@ class DecoderLayer(nn.Module):
         return x, self.mlp(h)
 
     def mlp(self, h: Tensor) -> Tensor:
-        """down(SwiGLU(gate_up(h))); a big step in the row chunks the one-call layer uses
-        (``mlp_chunk_rows``, ``chunk_size``): the same bits as one pass, less memory."""
-        rows = mlp_chunk_rows(self)
+        """down(SwiGLU(gate_up(h))); a big step in the row chunks the C++ layer uses
+        (``fused.mlp_chunk_rows``): the same bits as one pass, less memory."""
+        rows = fused.mlp_chunk_rows(self)
         if not rows or h.shape[0] <= rows:
             return self.down(self.swiglu(self.gate_up(h)))
-        return torch.cat([self.down(self.swiglu(self.gate_up(c))) for c in h.split(chunk_size(h.shape[0], rows))])
+        chunks = h.split(fused.chunk_size(h.shape[0], rows))
+        return torch.cat([self.down(self.swiglu(self.gate_up(c))) for c in chunks])
 
     def swiglu(self, gate_up: Tensor) -> Tensor:
         if self.native:
@@ -229,7 +232,7 @@ class LlamaModel(nn.Module):
         self.native = False  # see use_native_ops
         self.quant = "none"  # 'gguf' when some weights are held quantized (quant.py)
         self.greedy_screen = None  # greedy_head.GreedyScreen where the head has one
-        self.stack = None  # the layers' one-call kernel (kernels.decoder_stack_new), where every layer has one
+        self.stack = None  # every layer in one C++ call (fused.stack_layers), where every layer has its arguments
         self.int8_activations = False  # whether the 4-bit matmuls quantize their input (quant.py)
 
     @property
@@ -258,19 +261,14 @@ class LlamaModel(nn.Module):
         with ``greedy`` their argmax, int64 token ids (``greedy_head.head_argmax``: the same ids)."""
         x, r = self.embed(input_ids), None
         cos, sin = self.rope(positions)
-        # Native path with the paged kernel: every layer in one kernel call (``stack``), the same
-        # ops in the same order as the Python layers, without returning to Python between them.
-        paged = attn.paged() if self.stack is not None and hasattr(attn, "paged") else None
-        if self.quant == "gguf" and quant_forms.big_step(input_ids.shape[0], self.int8_activations):
-            paged = None  # the layer's modules: Q4Linear leaves its 4-bit tiles for a step this big
-        keep = None  # set when the last layer carried only the logit rows (keep_rows)
-        if paged is None:
+        stacked = fused.run_stack(self, x, cos, sin, attn, logits_index)  # every layer in one C++ call
+        if stacked is None:
             for layer in self.layers:
                 x, r = layer(x, r, cos, sin, attn)
+            kept = False
         else:
-            keep = keep_rows(self.layers[-1], logits_index, x.shape[0])
-            x, r = native.decoder_stack(self.stack, x, cos, sin, *paged, keep)
-        if logits_index is not None and keep is None:
+            x, r, kept = stacked  # kept: only the logit rows came out of the last layer
+        if logits_index is not None and not kept:
             x = x.index_select(0, logits_index)
             r = None if r is None else r.index_select(0, logits_index)
         h = add_norm(x, r, self.norm, self.native)
@@ -321,103 +319,7 @@ def use_native_ops(model: LlamaModel, on: bool) -> None:
             m.native = on
     for layer in model.layers:
         layer.native = on
-    model.stack = stack_layers(model) if on else None
-
-
-def stack_layers(model: LlamaModel):
-    """Every layer's ``fused_layer_args`` held by one kernel object (``model.stack``), which runs
-    the whole stack in one call a step; None unless every layer has them (then the Python layers
-    run, each with the fused elementwise kernels where ``native``)."""
-    args = [fused_layer_args(layer) for layer in model.layers]
-    if not args or any(a is None for a in args):
-        return None
-    first = model.layers[0]
-    return native.decoder_stack_new(
-        [w for a in args for w in a[0]], [k for a in args for k in a[1]], [x for a in args for x in a[2]],
-        [b for a in args for b in a[3]], [a[4] for a in args], [a[5] for a in args], args[0][6],
-        [a[7] for a in args], first.n_heads, first.n_kv, first.head_dim)
-
-
-def fused_layer_args(layer: DecoderLayer) -> tuple | None:
-    """The one-call layer kernel's static arguments (weights and kinds of the four linears, the
-    norms), or None where it does not apply: Qwen3's per-head q/k norm, or a linear of a kind
-    it does not know."""
-    if layer.qk_norm is not None:
-        return None
-    specs = [_linear_spec(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-    if any(spec is None for spec in specs):
-        return None
-    weights, kinds, aux, biases = (list(col) for col in zip(*specs))
-    return (weights, kinds, aux, biases, layer.input_norm.weight, layer.post_norm.weight, layer.input_norm.eps,
-            mlp_chunk_rows(layer))
-
-
-# A big step's gate_up output stays under this many bytes per MLP chunk (mlp_chunk_rows).
-MLP_CHUNK_BYTES = 16 << 20
-
-
-def mlp_chunk_rows(layer: DecoderLayer) -> int:
-    """Rows per MLP chunk of a big step, in the one-call layer and the Python one (0: the whole
-    step at once).
-
-    Why: glibc serves an allocation over 32 MiB with a fresh mmap every time, whose pages all fault
-    on first write. The gate_up output of a 1,460-row prompt step at the 1.5b shape is 52 MB in
-    bfloat16, 105 MB in float32: 12,800-25,600 faults, 15-29 ms, in every layer (7% of that
-    matmul, measured on Zen 4). In chunks whose gate_up output stays under 16 MiB, the
-    allocations come back from the heap, and each chunk's SiLU output is still in cache for the
-    down projection. Only on tinyllm's panels (``row_independent``), so chunking changes no bit."""
-    if not row_independent(layer.gate_up, layer.down):
-        return 0
-    row_bytes = layer.gate_up.packed.shape[0] * layer.gate_up.packed.element_size()
-    return max(256, MLP_CHUNK_BYTES // row_bytes)
-
-
-def keep_rows(layer: DecoderLayer, logits_index: Tensor | None, rows: int) -> Tensor | None:
-    """The rows the model's last layer carries past its K/V write: ``logits_index``, where fewer
-    than the step's ``rows`` have their logits computed (a prompt step: one row per prompt out of
-    hundreds; a chunk that does not finish its prompt: none); the caller runs the one-call layer.
-    Else None: every row, selected after the layer.
-
-    Why: nothing reads the last layer's output for the other rows, only its K and V (written for
-    every row), so their attention, o_proj and MLP are skipped: at 1,460 prompt rows and 16 wanted
-    that is most of one layer of the prompt step. Only where the o_proj and MLP linears are
-    tinyllm's panels (``row_independent``), so the kept rows' bits are those of the whole step
-    (the attention kernel serves each row alone)."""
-    if logits_index is None or logits_index.shape[0] >= rows:
-        return None
-    return logits_index if row_independent(layer.o_proj, layer.gate_up, layer.down) else None
-
-
-def row_independent(*linears: nn.Module) -> bool:
-    """Whether each output row of these linears depends on its input row alone, bit for bit,
-    whatever the rows beside it: tinyllm's panels (oneDNN's or the 4-bit kernels' choice of
-    kernel may depend on the row count)."""
-    return all(isinstance(m, PanelLinear) for m in linears)
-
-
-def chunk_size(t: int, rows: int) -> int:
-    """Rows per chunk when ``t`` rows run in chunks of about ``rows``: equal chunks, each a whole
-    number of the panels' 8-row tiles (the last one shorter). decoder_layer splits the same way."""
-    chunks = -(-t // rows)  # ceil division throughout
-    per_chunk = -(-t // chunks)
-    return -(-per_chunk // 8) * 8
-
-
-def _linear_spec(m: nn.Module) -> tuple | None:
-    """(weight, kind, aux, bias) in the kernel's terms: 0 F.linear, 1 torch int4, 2 oneDNN packed,
-    3 tinyllm's 4-bit layout, 4 oneDNN packed in float32 for a bfloat16 model, 5 tinyllm's
-    panels (gemm.py), 6 kind 3 with int8 activations."""
-    if isinstance(m, Int4Linear):
-        return m.packed, 1, m.scales_zeros, m.bias
-    if isinstance(m, Q4Linear):
-        return m.packed, 6 if m.int8 else 3, None, m.bias
-    if isinstance(m, PackedLinear):
-        return m.packed, 4 if m.widen else 2, None, m.bias
-    if isinstance(m, PanelLinear):
-        return m.packed, 5, None, m.bias
-    if type(m) is nn.Linear:
-        return m.weight, 0, None, m.bias
-    return None
+    model.stack = fused.stack_layers(model) if on else None
 
 
 def install_quantized(model: LlamaModel, quantized: dict, state: dict, device: torch.device | str,

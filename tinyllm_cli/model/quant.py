@@ -9,7 +9,7 @@ What each form computes (the same math as the dequantized weights, up to stated 
   along K: ``w = d*q + m`` with q in 0..15 (Q4_0: ``m = -8d``; Q4_K's 6-bit sub-block scales
   multiply out to the same per-32 form). ``QuantWeight`` holds exactly that, in float32.
 - Two 4-bit matmuls hold it, and a model uses one of them (one copy of each weight):
-  ``Q4Linear`` (tinyllm's kernel, ``kernels/cpu_kernels.cpp``: ``scale`` and ``min`` in float16,
+  ``Q4Linear`` (tinyllm's kernel, ``kernels/quant4.cpp``: ``scale`` and ``min`` in float16,
   exact for Q4_0 / Q4_1), wherever the kernels are built with a vector path (``q4_isa()``):
   bfloat16 dot products summed in float32 where the CPU has AVX512-BF16 (AMD Zen 4 and later,
   Intel Cooper Lake / Sapphire Rapids and later), else each weight decoded to float32 and
