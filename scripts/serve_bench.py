@@ -58,12 +58,13 @@ def http_one(url: str, prompt: list[int], max_tokens: int, stream: bool) -> tupl
     t0 = time.perf_counter()
     ttft, chunks = None, 0
     with httpx.stream("POST", url, json=body, timeout=3600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks += 1
-                ttft = ttft or time.perf_counter() - t0
         if not stream:
             r.read()
+        else:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks += 1
+                    ttft = ttft or time.perf_counter() - t0
     e2e = time.perf_counter() - t0
     return (ttft or e2e), e2e, chunks
 

@@ -100,14 +100,14 @@ def run_serve(cfg: Config, *, host: str, port: int, api_key: str | None, allow_n
         settings = ServeSettings(name, api_key=api_key, max_waiting=max_waiting, max_body_bytes=max_body_bytes,
                                  run_seed=cfg.sampling.run_seed)
         app = create_app(llm.engine, llm.tokenizer, cfg.sampling.request_defaults(), settings,
-                         max_model_len=max_model_len_of(llm))
+                         max_model_len=max_model_len_of(llm), engine_thread=False)
         server = Server(uvicorn.Config(app, log_level="warning" if quiet else "info",
                                        timeout_graceful_shutdown=drain_timeout, access_log=not quiet),
                         on_first_signal=app.state.front.stop_accepting)
         shown = f"[{sock.getsockname()[0]}]" if sock.family == socket.AF_INET6 else sock.getsockname()[0]
         print(f"tinyllm serve: {name} on http://{shown}:{sock.getsockname()[1]}/v1 "
               f"(Ctrl-C or SIGTERM drains and stops)", file=sys.stderr, flush=True)
-        server.run(sockets=[sock])
+        server.run_beside(app.state.front, [sock])
         if server.force_exit:
             return 130
         return 130 if signal.SIGINT in server.signals else 0

@@ -75,15 +75,18 @@ def error_body(message: str, kind: str, param: str | None = None, code=None) -> 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def create_app(engine, tokenizer, defaults, settings: ServeSettings, *, max_model_len: int | None = None) -> FastAPI:
+def create_app(engine, tokenizer, defaults, settings: ServeSettings, *, max_model_len: int | None = None,
+               engine_thread: bool = True) -> FastAPI:
     """The app over ``engine`` (any engine contract); ``defaults``: the config's sampling
-    defaults (``SamplingConfig.request_defaults()``), which request fields override."""
+    defaults (``SamplingConfig.request_defaults()``), which request fields override.
+    ``engine_thread``: run the engine loop on a thread of its own from startup; False: the
+    caller runs ``app.state.front.run()`` on a thread of its choosing."""
     metrics = Metrics(settings.model_name)
 
     def on_step(eng) -> None:
         metrics.snapshot = eng.load()
 
-    front = EngineFront(engine, max_waiting=settings.max_waiting, on_step=on_step)
+    front = EngineFront(engine, max_waiting=settings.max_waiting, on_step=on_step, own_thread=engine_thread)
     metrics.snapshot = engine.load()
 
     @contextlib.asynccontextmanager

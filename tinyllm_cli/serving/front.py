@@ -57,7 +57,7 @@ class Ticket:
 class EngineFront:
     """Runs ``engine`` on a thread; ``submit`` / ``abort`` from the asyncio loop."""
 
-    def __init__(self, engine: Engine, *, max_waiting: int, on_step=None):
+    def __init__(self, engine: Engine, *, max_waiting: int, on_step=None, own_thread: bool = True):
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_step = on_step  # called on the engine thread after every step (metrics)
@@ -70,6 +70,11 @@ class EngineFront:
         self._accepting = True
         self._queued = 0  # submitted, not yet running or finished (read by submit for the bound)
         self._lock = threading.Lock()
+        # The engine loop runs on a thread of its own (``start``), or on the caller's thread
+        # (``run``): ``tinyllm serve`` keeps it on the main thread, where the model's compute
+        # runs ~1.7x faster than on a new thread on the CPU (measured: 8-token generate of one
+        # 48-token prompt, 71 ms on the main thread against 127 ms on another).
+        self.own_thread = own_thread
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # why the engine loop stopped, when it broke
 
@@ -77,8 +82,9 @@ class EngineFront:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self._thread = threading.Thread(target=self._run, name="tinyllm-engine", daemon=True)
-        self._thread.start()
+        if self.own_thread:
+            self._thread = threading.Thread(target=self.run, name="tinyllm-engine", daemon=True)
+            self._thread.start()
 
     def submit(self, req: Request) -> Ticket:
         """Queue ``req`` for the engine; ``Overloaded`` past ``max_waiting``, ``Closed`` while
@@ -110,14 +116,18 @@ class EngineFront:
         """Stop the engine thread (after its current step); unfinished requests get ``Failed``."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
     # ---- the engine thread -------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The engine loop, until ``close``: on the front's own thread, or on the caller's."""
         try:
             while not self._stop.is_set():
+                if self.loop is None:  # the HTTP side has not started yet
+                    self._wake.wait(0.1)
+                    continue
                 self._take_inbox()
                 if not self.engine.has_unfinished():
                     self._wake.wait(0.5)

@@ -31,6 +31,25 @@ class Server(uvicorn.Server):
             for sig, handler in old.items():
                 signal.signal(sig, handler)
 
+    def run_beside(self, front, sockets) -> None:
+        """HTTP on a thread of its own, the engine loop (``front.run``) on this one (the main
+        thread: see ``EngineFront``); our signal rules are installed here, where Python delivers
+        signals. Returns once the HTTP side has shut down and the engine loop has stopped."""
+        def http() -> None:
+            try:
+                self.run(sockets=sockets)
+            finally:
+                front.close()  # also after a forced exit, which skips the app's own shutdown
+        old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        t = threading.Thread(target=http, name="tinyllm-http", daemon=True)
+        try:
+            t.start()
+            front.run()
+            t.join()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
     def handle_exit(self, sig, frame) -> None:
         self.signals.append(sig)
         if not self.should_exit:
