@@ -134,9 +134,9 @@ class EngineFront:
                     self._wake.clear()
                     continue
                 done = self.engine.step()
+                if self.on_step is not None:  # before the answers go out: a client that scrapes
+                    self.on_step(self.engine)  # /metrics after its answer sees its tokens counted
                 self._deliver(self.engine.take_deltas(), done)
-                if self.on_step is not None:
-                    self.on_step(self.engine)
         except Exception as e:  # the engine broke: every open request learns why, none hangs
             self.error = f"the engine stopped: {type(e).__name__}: {e}"
             print(f"tinyllm serve: {self.error}; /health now answers 503", file=sys.stderr, flush=True)
