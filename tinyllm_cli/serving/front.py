@@ -1,4 +1,4 @@
-"""The async front: HTTP handlers on an asyncio loop, one engine loop on its own thread.
+"""The async front: HTTP handlers on an asyncio loop, one engine loop on one other thread.
 
 The engine (in-process or Ray workers, behind ``engine/contract.py``) stays synchronous and
 knows nothing of HTTP. This front owns the one thread that calls it; handlers talk to that thread
@@ -21,9 +21,8 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..engine.contract import Engine
 from ..engine.request import Delta, Request, RequestOutput
@@ -51,7 +50,6 @@ class Ticket:
 
     request: Request
     events: asyncio.Queue
-    submitted: float = field(default_factory=time.perf_counter)
 
 
 class EngineFront:
@@ -104,10 +102,6 @@ class EngineFront:
         """Drop a request (its client went away); the engine frees its blocks before its next step."""
         self._aborts.append(request_id)
         self._wake.set()
-
-    @property
-    def queued(self) -> int:
-        return self._queued
 
     def stop_accepting(self) -> None:
         self._accepting = False

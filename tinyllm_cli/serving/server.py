@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import threading
@@ -15,24 +14,13 @@ SWITCH_S = 0.0005
 class Server(uvicorn.Server):
     """uvicorn's server with our signal rules: the first SIGINT/SIGTERM drains, a second SIGINT
     exits at once, and the signal is not raised again afterwards (the command chooses the exit
-    code)."""
+    code). It runs on a thread of its own (``run_beside``), where uvicorn installs no handlers
+    of its own; ``run_beside`` installs ours on the main thread."""
 
     def __init__(self, config, on_first_signal):
         super().__init__(config)
         self.signals: list[int] = []
         self.on_first_signal = on_first_signal
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
 
     def run_beside(self, front, sockets) -> None:
         """HTTP on a thread of its own, the engine loop (``front.run``) on this one (the main
