@@ -48,8 +48,9 @@ def slo_view(summary: dict, ttft_slo: float | None, tpot_slo: float | None, good
     return rows
 
 
-def run_one(cfg: Config, cost: CostModel, items, ttft_slo, tpot_slo, skip_ahead=True) -> dict:
-    sim = Simulation(cfg, cost, skip_ahead=skip_ahead)
+def run_one(cfg: Config, cost: CostModel, items, ttft_slo, tpot_slo, skip_ahead=True,
+            max_waiting: int | None = None) -> dict:
+    sim = Simulation(cfg, cost, skip_ahead=skip_ahead, max_waiting=max_waiting)
     t0 = time.perf_counter()
     good = total = 0
     for out in sim.run(items()):
@@ -88,7 +89,7 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
                  replay_rate: float | None = None,
                  ttft_slo: float | None, tpot_slo: float | None, save_trace: str | None, quiet: bool,
                  stats_json: Path | None, json_out: Path | None = None, plot: Path | None = None,
-                 skip_ahead: bool = True) -> int:
+                 skip_ahead: bool = True, max_waiting: int | None = None) -> int:
     """One simulated run (its stats in ``stats_json``) or one per sweep point; ``json_out`` gets
     the rows either way. A sweep is many runs, so it has no one run's stats to write."""
     if sweep and stats_json is not None:
@@ -102,7 +103,7 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
     points = _sweep_configs(cfg, sweep)
     rows = []
     for label, c in points:
-        s = run_one(c, cost, items, ttft_slo, tpot_slo, skip_ahead)
+        s = run_one(c, cost, items, ttft_slo, tpot_slo, skip_ahead, max_waiting)
         rows.append(s | ({"sweep": label} if label else {}))
         if not quiet and len(points) > 1:
             print(f"simulated {label}: {s['num_requests']} requests, {s['elapsed_s']:.1f} s simulated "
@@ -111,6 +112,9 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
     if len(rows) == 1:
         s = rows[0]
         extra = [("simulated in", f"{s['sim_wall_s']:.2f} s wall ({s['skipped_steps']} of {s['steps']} steps skipped ahead)")]
+        if s["rejected"]:
+            extra.append(("rejected (waiting room full)", f"{s['rejected']} of {s['num_requests']} requests "
+                                                          f"(--max-waiting {max_waiting})"))
         extra += slo_view(s, ttft_slo, tpot_slo, s.get("slo"))
         write_json(rows, json_out)
         finish_run(s, title, stats_json, quiet, extra)
