@@ -27,7 +27,22 @@ SWEEPS = {"block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_bl
 
 
 def load_profile(path: Path | None) -> CostModel:
-    return CostModel.load(path or default_profile_path())
+    """The cost profile; one warning on stderr when its calibration judged its own fit poor."""
+    path = path or default_profile_path()
+    cost = CostModel.load(path)
+    if cost.fit_quality == "poor":
+        print(f"warning: the cost profile {path} was calibrated with a poor fit ({fit_figures(cost)}); "
+              f"its times may be far off: recalibrate on a quiet machine", file=sys.stderr)
+    return cost
+
+
+def fit_figures(cost: CostModel) -> str:
+    """Each cache kind's fit in one phrase: why it is poor, or its figures."""
+    parts = []
+    for kind, f in cost.fit.items():
+        why = f.get("poor_because") or [f"R^2 {f.get('r2')}", f"median step error {f.get('median_rel_err', 0):.1%}"]
+        parts.append(f"{kind}: {', '.join(why)}")
+    return "; ".join(parts)
 
 
 def trace_items(trace: str | None, gen: dict, replay_rate: float | None = None, seed: int = 0):
@@ -148,13 +163,19 @@ def _pair(p: dict) -> str:
     return "-" if p.get("p50") is None else f"{p['p50']:.3f} / {p['p99']:.3f}"
 
 
-def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0) -> int:
+def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, source=None) -> int:
+    """Calibrate and save the profile; a poor fit is saved too (marked ``fit_quality: poor``,
+    which ``simulate`` warns about) and warned about here, with its figures, even when quiet."""
     with LLM(config=cfg, progress=not quiet) as llm:
-        prof = calibrate(llm, quiet=quiet, scale=scale)
+        prof = calibrate(llm, quiet=quiet, scale=scale, source=source)
     prof.save(output)
     if not quiet:
         for kind, f in prof.fit.items():
-            print(f"{kind}: {f['steps']} steps, R^2 {f['r2']}, median step error {f['median_rel_err']:.1%}, "
-                  f"total time error {f['total_time_err']:+.1%}", file=sys.stderr)
+            print(f"{kind}: {f['steps']} steps ({f['retimed']} retimed, {f['outliers_dropped']} dropped), "
+                  f"R^2 {f['r2']}, median step error {f['median_rel_err']:.1%}, "
+                  f"total time error {f['total_time_err']:+.1%}: {f['quality']} fit", file=sys.stderr)
         print(f"wrote {output}", file=sys.stderr)
+    if prof.fit_quality == "poor":
+        print(f"warning: poor fit even after retiming its outlier steps ({fit_figures(prof)}); was the machine "
+              f"busy? {output} is marked fit_quality: poor, and simulate will warn when it is used", file=sys.stderr)
     return 0
