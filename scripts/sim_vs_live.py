@@ -2,8 +2,8 @@
 p50 TPOT and preemptions side by side, with the relative error of each.
 
     python scripts/sim_vs_live.py [--rates 1,3,6] [--num-requests 60] [--input-len 128] [--output-len 32]
-                                  [--caches paged,slot] [--cost-profile P.json] [--model default]
-                                  [--json out.json]
+                                  [--caches paged,slot] [--cost-profile P.json] [--serving]
+                                  [--model default] [--json out.json]
 
 For each cache setting (paged with a tight pool that preempts; slot) one `tinyllm serve` is
 started on 127.0.0.1 (a subprocess, as users start it) and warmed up with a few requests; then
@@ -11,7 +11,8 @@ for each rate a seeded Poisson trace (`simulate`'s format) is written and
 - `tinyllm load --trace T --server-metrics --json L.json` sends it to the server (the client's
   TTFT, TPOT and throughput; preemptions from the server's /metrics), and
 - `tinyllm simulate --trace T --stats-json S.json` runs it with the same model shape and
-  settings (the same flags as the server) and the given cost profile,
+  settings (the same flags as the server) and the given cost profile (with ``--serving``, its
+  serving section too: serve's HTTP cost a step, a request and a streamed token),
 both as subprocesses, one after the other (never sharing the cores). Both report the same keys
 (`output_tokens_per_s`, `ttft_s`, `tpot_s`, preemptions); the table goes to stderr, the rows (with
 the load average before and after each) to `--json`. Timed: run it under the measurement lock on
@@ -69,9 +70,9 @@ def live(server: ServerProc, trace: Path, tmp: Path) -> dict:
     return figures(s, int(s["server"]["preemptions"]))
 
 
-def simulated(flags: list[str], model: str, profile: str | None, trace: Path, tmp: Path) -> dict:
+def simulated(flags: list[str], model: str, profile: str | None, serving: bool, trace: Path, tmp: Path) -> dict:
     out = tmp / "sim.json"
-    prof = ["--cost-profile", profile] if profile else []
+    prof = (["--cost-profile", profile] if profile else []) + (["--serving"] if serving else [])
     run(cli("simulate", "--trace", str(trace), "--model", model, *flags, *prof, "--stats-json", str(out), "-q"))
     s = json.loads(out.read_text())
     return figures(s, s["preemptions"])
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--caches", default=",".join(CACHES))
     ap.add_argument("--cost-profile")
+    ap.add_argument("--serving", action="store_true", help="simulate --serving: charge the profile's serving section")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
@@ -128,7 +130,7 @@ def main() -> None:
                                                rate=rate, seed=a.seed), str(trace))
                     before = os.getloadavg()
                     lv = live(server, trace, tmp)
-                    sm = simulated(flags, a.model, a.cost_profile, trace, tmp)
+                    sm = simulated(flags, a.model, a.cost_profile, a.serving, trace, tmp)
                     rows.append({"cache": cache, "rate": rate, "live": lv, "sim": sm, "err": errors(lv, sm),
                                  "load_before": before, "load_after": os.getloadavg()})
                     print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -136,7 +138,7 @@ def main() -> None:
     if a.json:
         a.json.write_text(json.dumps({
             "kind": "sim_vs_live", "cpu": cpu_name(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-            "commit": commit, "model": a.model, "cost_profile": a.cost_profile or "shipped default",
+            "commit": commit, "model": a.model, "cost_profile": a.cost_profile or "shipped default", "serving": a.serving,
             "workload": {"num_requests": a.num_requests, "input_len": a.input_len, "output_len": a.output_len,
                          "arrivals": "poisson", "seed": a.seed},
             "caches": {c: CACHES[c] for c in caches}, "command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")

@@ -138,3 +138,65 @@ def test_calibrate_warns_and_marks_a_poor_fit(tmp_path, llama_dir, monkeypatch, 
     with pytest.raises(SystemExit) as e:
         main(["simulate", "--num-prompts", "8", "--input-len", "16", "--output-len", "8", "-q"])
     assert e.value.code == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_serving_term_is_charged_the_same_with_skip_ahead(llama_dir):
+    """The serving section adds per-step, per-request and per-streamed-token time; skip-ahead's
+    bulk decode windows charge exactly what stepping one by one does."""
+    import dataclasses
+    from tinyllm_cli.config import load_config, flat_overrides
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    from tinyllm_cli.sim.cost import CostModel
+    from tinyllm_cli.sim.run import Simulation
+    from tinyllm_cli.traces import generate_trace
+    mcfg = load_checkpoint(str(llama_dir), progress=False).config
+    cfg = load_config(None, flat_overrides(dict(num_blocks=60, block_size=4, max_num_seqs=6, max_model_len=256,
+                                                model=str(llama_dir))))
+    cost = CostModel(coefs={"paged": TRUE}, model="tiny", model_config=dataclasses.asdict(mcfg),
+                     serving={"coefs": [1e-3, 2e-2, 4e-3]})
+    items = list(generate_trace(60, 20, 24, arrivals="poisson", rate=30.0, seed=4))
+    runs = {}
+    for skip in (False, True):
+        for serving in (False, True):
+            sim = Simulation(cfg, cost, workers=1, skip_ahead=skip, serving=serving)
+            outs = sorted((o.id, o.ttft_s, o.latency_s) for o in sim.run(items))
+            runs[skip, serving] = (outs, sim.summary())
+    for serving in (False, True):
+        (a, sa), (b, sb) = runs[False, serving], runs[True, serving]
+        assert sb["skipped_steps"] > 0 and sa["steps"] == sb["steps"]
+        for x, y in zip(a, b):
+            assert x[0] == y[0] and x[1] == pytest.approx(y[1], abs=1e-9) and x[2] == pytest.approx(y[2], abs=1e-9)
+    plain, served = runs[False, False][1], runs[False, True][1]
+    assert served["serving_overhead"] and not plain["serving_overhead"]
+    # one step each: the same decisions when nothing queues, so the difference is the term itself
+    assert served["elapsed_s"] > plain["elapsed_s"]
+
+
+def test_serving_needs_a_serving_section(capsys):
+    from tinyllm_cli.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--serving", "-q"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "serving section" in err and "--serving" in err
+
+
+def test_calibrate_serving_measures_a_live_server(tmp_path, llama_dir, capsys):
+    """calibrate --serving runs serve's own app on 127.0.0.1 under tinyllm load and fits the
+    serving section; simulate --serving then charges it."""
+    pytest.importorskip("fastapi")
+    from tinyllm_cli.cli import main
+    out = tmp_path / "p.json"
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "calibrate", "--output", str(out), "--model", str(llama_dir), "--device", "cpu",
+              "--scale", "0.1", "--max-model-len", "512", "--serving"])
+    assert e.value.code == 0
+    prof = json.loads(out.read_text())
+    sv = prof["serving"]
+    assert sv["fit"]["steps"] > 10 and len(sv["coefs"]) == 3 and all(c >= 0 for c in sv["coefs"])
+    assert "calibrate serving: load 4/4" in capsys.readouterr().err
+    stats = tmp_path / "s.json"
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--cost-profile", str(out), "--num-prompts", "8", "--input-len", "16", "--output-len", "8",
+              "--serving", "--stats-json", str(stats), "-q"])
+    assert e.value.code == 0 and json.loads(stats.read_text())["serving_overhead"] is True

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
-from ..errors import UsageError
+from ..errors import TinyLLMError, UsageError
 from ..llm import LLM
 from ..report import stderr_console
 from ..sim.cost import CostModel, calibrate, default_profile_path
@@ -64,8 +64,8 @@ def slo_view(summary: dict, ttft_slo: float | None, tpot_slo: float | None, good
 
 
 def run_one(cfg: Config, cost: CostModel, items, ttft_slo, tpot_slo, skip_ahead=True,
-            max_waiting: int | None = None) -> dict:
-    sim = Simulation(cfg, cost, skip_ahead=skip_ahead, max_waiting=max_waiting)
+            max_waiting: int | None = None, serving: bool = False) -> dict:
+    sim = Simulation(cfg, cost, skip_ahead=skip_ahead, max_waiting=max_waiting, serving=serving)
     t0 = time.perf_counter()
     good = total = 0
     for out in sim.run(items()):
@@ -104,7 +104,7 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
                  replay_rate: float | None = None,
                  ttft_slo: float | None, tpot_slo: float | None, save_trace: str | None, quiet: bool,
                  stats_json: Path | None, json_out: Path | None = None, plot: Path | None = None,
-                 skip_ahead: bool = True, max_waiting: int | None = None) -> int:
+                 skip_ahead: bool = True, max_waiting: int | None = None, serving: bool = False) -> int:
     """One simulated run (its stats in ``stats_json``) or one per sweep point; ``json_out`` gets
     the rows either way. A sweep is many runs, so it has no one run's stats to write."""
     if sweep and stats_json is not None:
@@ -118,7 +118,7 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
     points = _sweep_configs(cfg, sweep)
     rows = []
     for label, c in points:
-        s = run_one(c, cost, items, ttft_slo, tpot_slo, skip_ahead, max_waiting)
+        s = run_one(c, cost, items, ttft_slo, tpot_slo, skip_ahead, max_waiting, serving)
         rows.append(s | ({"sweep": label} if label else {}))
         if not quiet and len(points) > 1:
             print(f"simulated {label}: {s['num_requests']} requests, {s['elapsed_s']:.1f} s simulated "
@@ -163,12 +163,88 @@ def _pair(p: dict) -> str:
     return "-" if p.get("p50") is None else f"{p['p50']:.3f} / {p['p99']:.3f}"
 
 
-def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, source=None) -> int:
+# Loads for the serving calibration: (rate req/s, requests, mean prompt, mean output), from
+# many requests with few tokens to few requests with many, so the per-request and per-token
+# costs are told apart.
+SERVING_LOADS = ((4.0, 24, 64, 8), (2.0, 16, 32, 64), (8.0, 32, 128, 24), (3.0, 24, 256, 16))
+
+
+def measure_serving(llm, cfg: Config, prof: CostModel, quiet: bool, scale: float = 1.0) -> dict:
+    """The serving section of a profile: ``tinyllm serve``'s own app and server over ``llm``'s
+    engine (configured as ``cfg``; its loop on this thread, HTTP beside it, as ``serve`` runs),
+    on 127.0.0.1, driven by ``tinyllm load`` in another process (as a client would be) with
+    ``SERVING_LOADS``; every step timed (``ServingTimer``) and what it took beyond the offline
+    coefficients fitted to ``serving_features``."""
+    import os
+    import subprocess
+    import threading
+
+    from ..serving.app import ServeSettings
+    from ..serving.server import make_server
+    from ..sim.cost import ServingTimer, fit_serving
+    from .serve import bind, max_model_len_of
+    llm.reconfigure(config=cfg)
+    sock = bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    server = make_server(llm.engine, llm.tokenizer, cfg.sampling.request_defaults(), ServeSettings("calibration"),
+                         max_model_len=max_model_len_of(llm), quiet=True)
+    timer = ServingTimer()
+    failed: list[str] = []
+
+    def drive() -> None:
+        try:
+            deadline = time.monotonic() + 300  # a model-loaded server starts in well under a second
+            while not server.started:
+                if time.monotonic() > deadline or server.should_exit:
+                    failed.append("the server did not start")
+                    return
+                time.sleep(0.05)
+            for i, (rate, num, inp, out) in enumerate(SERVING_LOADS):
+                cmd = [sys.executable, "-m", "tinyllm_cli", "load", "--url", url, "--request-rate", str(rate),
+                       "--num-requests", str(max(4, int(num * scale))), "--input-len", str(inp),
+                       "--output-len", str(out), "--workload-seed", str(500 + i),
+                       "--vocab-size", str(llm.runtime.model_cfg.vocab_size), "-q"]
+                if i == 1:  # the first load warms up: its first-call costs are not timed
+                    llm.engine.add_observer(timer)
+                p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+                if p.returncode:
+                    failed.append((p.stderr.strip().splitlines() or ["?"])[-1])
+                    return
+                if not quiet:
+                    print(f"calibrate serving: load {i + 1}/{len(SERVING_LOADS)} ({rate:g} req/s, {num} x {inp} in / "
+                          f"{out} out), {len(timer.samples)} steps timed", file=sys.stderr)
+        finally:
+            server.should_exit = True
+
+    threading.Thread(target=drive, name="tinyllm-calibrate-load", daemon=True).start()
+    try:
+        server.run_beside(server.front, [sock])
+    finally:
+        sock.close()
+    if failed:
+        raise TinyLLMError(f"the serving calibration's load failed: {failed[0]}")
+    coefs, info = fit_serving(timer, prof.coefs[llm.engine.cache.kind])
+    return {"coefs": coefs, "features": ["per_step", "per_request", "per_token"], "fit": info,
+            "cache_kind": llm.engine.cache.kind, "loads": [list(x) for x in SERVING_LOADS]}
+
+
+def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, source=None,
+                  serving: bool = False) -> int:
     """Calibrate and save the profile; a poor fit is saved too (marked ``fit_quality: poor``,
-    which ``simulate`` warns about) and warned about here, with its figures, even when quiet."""
+    which ``simulate`` warns about) and warned about here, with its figures, even when quiet.
+    ``serving``: then measure ``tinyllm serve``'s HTTP cost too (``measure_serving``)."""
     with LLM(config=cfg, progress=not quiet) as llm:
         prof = calibrate(llm, quiet=quiet, scale=scale, source=source)
+        if serving:
+            prof.serving = measure_serving(llm, cfg, prof, quiet, scale)
     prof.save(output)
+    if serving and not quiet:
+        f = prof.serving["fit"]
+        c = prof.serving["coefs"]
+        print(f"serving: {f['steps']} steps, {c[0] * 1e3:.2f} ms a step, {c[1] * 1e3:.2f} ms a request, "
+              f"{c[2] * 1e3:.2f} ms a streamed token; served steps' total time error "
+              f"{f['offline_model']['total_time_err']:+.1%} by the offline model, "
+              f"{f['with_serving']['total_time_err']:+.1%} with these", file=sys.stderr)
     if not quiet:
         for kind, f in prof.fit.items():
             print(f"{kind}: {f['steps']} steps ({f['retimed']} retimed, {f['outliers_dropped']} dropped), "

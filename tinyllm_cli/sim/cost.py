@@ -54,17 +54,34 @@ def cache_block_size(cache) -> int | None:
     return cache.block_size if cache.kind == "paged" else None
 
 
+SERVING_FEATURES = ("per_step", "per_request", "per_token")
+
+
+def serving_features(plan) -> list[float]:
+    """What ``tinyllm serve``'s HTTP side adds to a step, in its units: the step (the metrics
+    snapshot, the hand-over of its events), requests starting (a request whose first prefill
+    chunk runs: parsed, queued, answered) and streamed tokens (one chunk each: detokenized,
+    encoded, written)."""
+    from ..engine.runner import samplers_of
+    new = sum(1 for c in plan.prefill if c.start == 0 and c.seq.num_output == 0)
+    return [1.0, new, len(samplers_of(plan))]
+
+
 @dataclass
 class Coefs:
     c: list[float]
     block_size: int | None
+    serve: list[float] = field(default_factory=lambda: [0.0] * len(SERVING_FEATURES))  # zeros: not serving
 
     def step_time(self, plan) -> float:
-        return sum(ci * xi for ci, xi in zip(self.c, step_features(plan, self.block_size)))
+        t = sum(ci * xi for ci, xi in zip(self.c, step_features(plan, self.block_size)))
+        if any(self.serve):
+            t += sum(ci * xi for ci, xi in zip(self.serve, serving_features(plan)))
+        return t
 
     def decode_time(self, rows: int, ctx: int, blocks: int) -> float:
-        c = self.c
-        return c[0] + c[1] * rows + c[2] * ctx + c[6] * blocks
+        c, s = self.c, self.serve
+        return c[0] + c[1] * rows + c[2] * ctx + c[6] * blocks + s[0] + s[2] * rows
 
 
 @dataclass
@@ -83,10 +100,21 @@ class CostModel:
     samples: dict = field(default_factory=dict)  # per kind: the timed steps, [features..., seconds]
     made_with: str = ""
     version: int = PROFILE_VERSION
+    # tinyllm serve's HTTP cost (``calibrate --serving``): {"coefs": per SERVING_FEATURES, "fit": ...}
+    serving: dict = field(default_factory=dict)
 
-    def for_cache(self, cache) -> Coefs:
+    def for_cache(self, cache, serving: bool = False) -> Coefs:
+        """The coefficients for ``cache``; with ``serving``, plus the serving section's (one
+        sentence when the profile has none)."""
+        from ..errors import UsageError
         c = self.coefs.get(cache.kind) or next(iter(self.coefs.values()))
-        return Coefs(list(c), cache_block_size(cache))
+        out = Coefs(list(c), cache_block_size(cache))
+        if serving:
+            if not self.serving.get("coefs"):
+                raise UsageError("this cost profile has no serving section: make one with "
+                                 "'tinyllm simulate calibrate --serving --output FILE'")
+            out.serve = [float(x) for x in self.serving["coefs"]]
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -195,6 +223,43 @@ class StepTimer:
     def gap(self) -> None:
         """A new run starts now: its first step (often its biggest prefill) is timed from here."""
         self._last = time.perf_counter()
+
+
+class ServingTimer(StepTimer):
+    """A ``StepTimer`` for an engine behind ``tinyllm serve``: each step also gets its
+    ``serving_features``. Only steps the engine ran back to back are kept (the plan continues a
+    sequence of the step before): after an idle wait, the time since the last step is not a
+    step's cost."""
+
+    def __init__(self, source=None):
+        super().__init__(source)
+        self.serving: list[list[float]] = []
+
+    def __call__(self, engine, plan) -> None:
+        now = time.perf_counter()
+        busy = bool(plan.decode) or any(c.start > 0 for c in plan.prefill)
+        if self._last is not None and busy:
+            f = step_features(plan, cache_block_size(engine.cache))
+            self.samples.append((f, self.source(f, now - self._last)))
+            self.serving.append(serving_features(plan))
+        self._last = now
+
+
+def fit_serving(timer: ServingTimer, base: list[float]) -> tuple[list[float], dict]:
+    """The serving coefficients: what the served steps took beyond the offline model ``base``
+    says, by non-negative least squares on ``serving_features``; the figures say how well the
+    step times are predicted without and with them."""
+    X = [sf for sf in timer.serving]
+    y = [t for _, t in timer.samples]
+    plain = [sum(a * b for a, b in zip(base, f)) for f, _ in timer.samples]
+    s = [float(x) for x in nnls(X, [t - p for t, p in zip(y, plain)])] if X else [0.0] * len(SERVING_FEATURES)
+    served = [p + sum(a * b for a, b in zip(s, sf)) for p, sf in zip(plain, X)]
+
+    def figures(pred):
+        rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
+        return {"median_rel_err": round(rel[len(rel) // 2], 4) if rel else None,
+                "total_time_err": round(sum(pred) / max(sum(y), 1e-12) - 1, 4)}
+    return s, {"steps": len(y), "offline_model": figures(plain), "with_serving": figures(served)}
 
 
 # ---- fit quality -----------------------------------------------------------------------------

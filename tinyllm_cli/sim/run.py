@@ -41,23 +41,24 @@ def sim_runtime(cost: CostModel) -> Runtime:
     return Runtime(cost.model_cfg(), None, cost.model, torch.device("cpu"), dt, "sim", "none", False, 0.0)
 
 
-def make_sim_engine(cfg: Config, cost: CostModel, skip_ahead: bool = True) -> SimEngine:
+def make_sim_engine(cfg: Config, cost: CostModel, skip_ahead: bool = True, serving: bool = False) -> SimEngine:
     rt = sim_runtime(cost)
     cache = make_cache(cfg, rt, tensors=False)
     return SimEngine(rt.model_cfg, cache, cost, max_num_seqs=cfg.scheduler.max_num_seqs,
                      max_prefill_tokens=cfg.scheduler.max_prefill_tokens, max_model_len=cfg.cache.max_model_len,
-                     skip_ahead=skip_ahead)
+                     skip_ahead=skip_ahead, serving=serving)
 
 
 class Simulation:
     def __init__(self, cfg: Config, cost: CostModel, workers: int | None = None, skip_ahead: bool = True,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, serving: bool = False):
         if cfg.speculative.method != "none":
             raise UsageError(f"simulate does not model speculative decoding (its step-cost model has no verify rows); "
                              f"set speculative.method to none, not {cfg.speculative.method!r}")
         self.cfg, self.cost = cfg, cost
         n = workers or cfg.parallel.workers
-        self.engines = [make_sim_engine(cfg, cost, skip_ahead) for _ in range(n)]
+        self.engines = [make_sim_engine(cfg, cost, skip_ahead, serving) for _ in range(n)]
+        self.serving = serving  # steps also pay the profile's serving section (tinyllm serve's HTTP cost)
         self.per_worker = cfg.scheduler.max_num_seqs
         self.max_waiting = max_waiting  # None: no bound (serve-batch and generate refuse nothing)
         self.rejected = 0
@@ -185,6 +186,6 @@ class Simulation:
         c = self.cost
         out |= {"model": c.model, "load_s": 0.0, "dtype": c.dtype, "gemm": "sim", "quant": "none",
                 "native_kernels": False, "device": c.device, "num_workers": len(self.engines),
-                "simulated": True, "rejected": self.rejected, "max_waiting": self.max_waiting,
+                "simulated": True, "serving_overhead": self.serving, "rejected": self.rejected, "max_waiting": self.max_waiting,
                 "peak_waiting": self.peak_waiting, "profile_cpu": c.cpu, "skipped_steps": sum(e.skipped_steps for e in self.engines)}
         return RunSummary(out)
