@@ -131,8 +131,12 @@ def main() -> None:
                     before = os.getloadavg()
                     lv = live(server, trace, tmp)
                     sm = simulated(flags, a.model, a.cost_profile, a.serving, trace, tmp)
-                    rows.append({"cache": cache, "rate": rate, "live": lv, "sim": sm, "err": errors(lv, sm),
-                                 "load_before": before, "load_after": os.getloadavg()})
+                    row = {"cache": cache, "rate": rate, "live": lv, "sim": sm, "err": errors(lv, sm),
+                           "load_before": before, "load_after": os.getloadavg()}
+                    if a.serving:  # and what the offline model alone says, to show the term's share
+                        off = simulated(flags, a.model, a.cost_profile, False, trace, tmp)
+                        row |= {"sim_offline_model": off, "err_offline_model": errors(lv, off)}
+                    rows.append(row)
                     print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(table(rows), file=sys.stderr)
     if a.json:

@@ -181,7 +181,7 @@ def measure_serving(llm, cfg: Config, prof: CostModel, quiet: bool, scale: float
 
     from ..serving.app import ServeSettings
     from ..serving.server import make_server
-    from ..sim.cost import ServingTimer, fit_serving
+    from ..sim.cost import SERVING_FEATURES, ServingTimer, fit_serving
     from .serve import bind, max_model_len_of
     llm.reconfigure(config=cfg)
     sock = bind("127.0.0.1", 0)
@@ -224,7 +224,7 @@ def measure_serving(llm, cfg: Config, prof: CostModel, quiet: bool, scale: float
     if failed:
         raise TinyLLMError(f"the serving calibration's load failed: {failed[0]}")
     coefs, info = fit_serving(timer, prof.coefs[llm.engine.cache.kind])
-    return {"coefs": coefs, "features": ["per_step", "per_request", "per_token"], "fit": info,
+    return {"coefs": coefs, "features": list(SERVING_FEATURES), "fit": info,
             "cache_kind": llm.engine.cache.kind, "loads": [list(x) for x in SERVING_LOADS]}
 
 
