@@ -111,7 +111,8 @@ def test_calibrate_retimes_a_transient_disturbance(tmp_path, llama_dir, monkeypa
     err = capsys.readouterr().err
     assert code == 0
     assert prof["fit_quality"] == "good" and "warning" not in err, prof["fit"]
-    assert prof["fit"]["paged"]["retimed"] == 40 // 7 and "retiming outlier steps" in err
+    # every disturbed step (and any clean one the disturbed first fit put over 10% off) timed again
+    assert prof["fit"]["paged"]["retimed"] >= 40 // 7 and "retiming outlier steps" in err
     for kind in ("paged", "slot"):
         f = prof["fit"][kind]
         assert f["quality"] == "good" and f["r2"] > 0.999

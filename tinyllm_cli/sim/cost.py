@@ -18,8 +18,10 @@ to the engine), the paged workloads at block sizes 8, 16 and 32 so that ``c_blk`
 and fits the coefficients by non-negative least squares. The fit checks itself: steps whose
 relative error is an outlier are timed again (their workload rerun) and keep the shorter timing,
 the fit is redone, and one still poor by the thresholds in ``judge`` is saved marked
-``fit_quality: poor`` (``simulate`` warns when it uses such a profile). The profile is a small
-JSON that names the model, dtype, device, CPU and thread count it was measured on, and carries
+``fit_quality: poor`` (``simulate`` warns when it uses such a profile). An optional ``serving``
+section (``calibrate --serving``) holds what ``tinyllm serve``'s HTTP side adds to a step, per
+step, per starting request and per streamed token (``serving_features``), charged only by
+``simulate --serving``. The profile is a small JSON that names the model, dtype, device, CPU and thread count it was measured on, and carries
 the model's shape (so ``simulate`` needs no weights).
 """
 
