@@ -122,7 +122,12 @@ def main() -> int:
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr)
     if a.json:
-        Path(a.json).write_text(json.dumps({"cpu": cpu_name(), "profile": a.profile, "profile_cpu": cost.cpu,
+        import os
+        import time
+        commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True).stdout.strip()
+        Path(a.json).write_text(json.dumps({"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit,
+                                            "load_avg_at_end": os.getloadavg(), "profile": a.profile, "profile_cpu": cost.cpu,
                                             "scale": a.scale, "rounds": a.rounds, "rows": rows}, indent=2) + "\n")
     print(table(rows))
     return 0

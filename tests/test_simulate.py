@@ -1,5 +1,5 @@
 """tinyllm simulate: the same scheduling decisions as a real engine, skip-ahead equal to stepping
-one by one, trace readers that reject bad lines with one sentence."""
+one by one, trace readers that reject bad lines with one sentence, a waiting room bounded as serve's."""
 
 from __future__ import annotations
 
@@ -281,3 +281,96 @@ def test_block_size_costs_what_the_profile_says(llama_dir):
         assert s["preemptions"] == 0
         elapsed[bs] = s["elapsed_s"]
     assert elapsed[4] > elapsed[32]
+
+
+def queue_reference(arrivals: list[float], steps_each: int, max_waiting: int) -> set[int]:
+    """An independent M/D/1/K-style count on the engine's step grid: one sequence at a time,
+    each ``steps_each`` steps of one second; arrivals join (or are refused, when ``max_waiting``
+    already wait) at the first step boundary at or after them; an idle server jumps to the next
+    arrival. Returns the indices refused."""
+    from collections import deque
+    t, i, refused = 0.0, 0, set()
+    waiting, left = deque(), 0  # left: steps the running request still needs (0: none running)
+    while True:
+        while i < len(arrivals) and arrivals[i] <= t:
+            if len(waiting) >= max_waiting:
+                refused.add(i)
+            else:
+                waiting.append(i)
+            i += 1
+        if not left and not waiting:
+            if i == len(arrivals):
+                return refused
+            t = max(t, arrivals[i])
+            continue
+        if not left:
+            waiting.popleft()
+            left = steps_each
+        left -= 1
+        t += 1.0
+
+
+@pytest.mark.parametrize("max_waiting", [1, 3, 8])
+def test_waiting_room_refuses_what_a_queue_reference_predicts(llama_dir, max_waiting):
+    """An overloaded trace (arrivals 4x faster than service): exactly the requests the reference
+    refuses are rejected, the rest complete, and the queue never holds more than the bound;
+    without the bound it grows with the trace."""
+    from tinyllm_cli.config import load_config, flat_overrides
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    mcfg = load_checkpoint(str(llama_dir), progress=False).config
+    cfg = load_config(None, flat_overrides(dict(num_blocks=200, block_size=4, max_num_seqs=1, max_model_len=128,
+                                                model=str(llama_dir))))
+    cost = CostModel(coefs={"paged": [1.0] + [0.0] * 6}, model="tiny", model_config=dataclasses.asdict(mcfg))
+    rng, t, items, out_len = random.Random(max_waiting), 0.0, [], 4
+    for i in range(300):
+        t += rng.expovariate(1.0)  # 1 req/s against 0.25 req/s of service
+        items.append(TraceItem(str(i), t, rng.randint(3, 20), out_len))
+    expected = queue_reference([it.arrival_s for it in items], out_len, max_waiting)
+    sim = Simulation(cfg, cost, workers=1, max_waiting=max_waiting)
+    outs = list(sim.run(items))
+    rejected = {int(o.id) for o in outs if o.error and o.error.startswith("rejected")}
+    s = sim.summary()
+    assert 150 < len(expected) < 300  # overloaded, and not trivially so
+    assert rejected == expected
+    assert s["rejected"] == len(expected) and s["num_failed"] == len(expected) and s["num_requests"] == 300
+    assert s["output_tokens"] == out_len * (300 - len(expected))
+    assert s["peak_waiting"] <= max_waiting
+    free = Simulation(cfg, cost, workers=1)  # no bound: the queue holds most of the trace
+    list(free.run(items))
+    assert free.summary()["rejected"] == 0 and free.summary()["peak_waiting"] > 150
+
+
+def test_waiting_room_with_workers_bounds_the_drivers_queue(llama_dir):
+    from tinyllm_cli.config import load_config, flat_overrides
+    from tinyllm_cli.model.checkpoint import load_checkpoint
+    mcfg = load_checkpoint(str(llama_dir), progress=False).config
+    cfg = load_config(None, flat_overrides(dict(num_blocks=100, block_size=4, max_num_seqs=2, max_model_len=256)))
+    items = list(generate_trace(400, 40, 30, arrivals="poisson", rate=2000.0, seed=5))
+    sim = Simulation(cfg, tiny_cost(mcfg), workers=2, max_waiting=5)
+    outs = list(sim.run(items))
+    s = sim.summary()
+    done = sum(o.finish_reason != "error" for o in outs)
+    assert len(outs) == 400 and s["num_requests"] == 400
+    assert s["rejected"] == 400 - done > 0 and s["peak_waiting"] <= 5
+
+
+def test_cli_simulate_max_waiting(tmp_path, capsys):
+    from tinyllm_cli.cli import main
+    out = tmp_path / "s.json"
+    args = ["simulate", "--num-prompts", "200", "--input-len", "64", "--output-len", "32", "--arrivals", "poisson",
+            "--request-rate", "500", "--max-num-seqs", "2", "-q"]
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--max-waiting", "4", "--stats-json", str(out)])
+    assert e.value.code == 0
+    s = json.loads(out.read_text())
+    assert s["rejected"] > 0 and s["max_waiting"] == 4 and s["peak_waiting"] <= 4
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--max-waiting", "0", "--stats-json", str(out)])
+    assert e.value.code == 0
+    s = json.loads(out.read_text())
+    assert s["rejected"] == 0 and s["max_waiting"] is None
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--max-waiting", "-1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--max-waiting" in err

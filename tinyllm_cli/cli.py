@@ -446,6 +446,8 @@ def simulate(
     ttft_slo: Annotated[Optional[float], typer.Option("--ttft-slo", help="SLO on TTFT (s) for goodput.")] = None,
     tpot_slo: Annotated[Optional[float], typer.Option("--tpot-slo", help="SLO on TPOT (s) for goodput.")] = None,
     skip_ahead: Annotated[bool, typer.Option("--skip-ahead/--no-skip-ahead", help="Advance decode-only stretches in bulk (same decisions).")] = True,
+    serving: Annotated[bool, typer.Option("--serving", help="Also charge the profile's serving section (tinyllm serve's HTTP cost a step, a request and a streamed token), to predict a live server.")] = False,
+    max_waiting: Annotated[int, typer.Option(help="Most timed requests waiting to run, as serve's --max-waiting; past it, arrivals are refused and counted as rejected (0: no bound, as serve-batch).")] = 256,
     old_profile: Annotated[Optional[Path], typer.Option("--profile", hidden=True)] = None,
     old_num_requests: Annotated[Optional[int], typer.Option("--num-requests", hidden=True)] = None,
     opts: Opts = None,
@@ -466,11 +468,13 @@ def simulate(
                arrivals=arrivals, rate=1.0 if request_rate is None else request_rate, burstiness=burstiness,
                range_ratio=workload.range_ratio, prefix_len=workload.prefix_len, num_prefixes=workload.num_prefixes,
                seed=workload.seed)
+    if max_waiting < 0:
+        raise UsageError(f"--max-waiting must be 0 (no bound) or more, not {max_waiting}")
     replay_rate = request_rate if trace is not None else None
     raise typer.Exit(run_simulate(cfg, trace=trace, replay_rate=replay_rate, cost_profile=cost_profile, gen=gen,
                                   sweep=sweep, ttft_slo=ttft_slo, tpot_slo=tpot_slo, save_trace=save_trace,
                                   quiet=opts.quiet, stats_json=opts.stats_json, json_out=json_out, plot=opts.plot,
-                                  skip_ahead=skip_ahead))
+                                  skip_ahead=skip_ahead, max_waiting=max_waiting or None, serving=serving))
 
 
 @sim_app.command("calibrate")
@@ -478,13 +482,17 @@ def simulate(
 def simulate_calibrate(
     output: Annotated[Path, typer.Option("--output", "-o", help="Profile JSON to write.")],
     scale: Annotated[float, typer.Option(help="Shrink the calibration workloads (0.1 .. 1).")] = 1.0,
+    serving: Annotated[bool, typer.Option("--serving", help="Also measure tinyllm serve's HTTP cost (a server on 127.0.0.1 driven by tinyllm load) into the profile's serving section.")] = False,
     opts: Opts = None,
 ):
     """Time real steps of the configured model on this machine and fit a step-cost profile."""
     from .commands.simulate import run_calibrate
     if not 0 < scale <= 1:
         raise UsageError("--scale must be in (0, 1]")
-    raise typer.Exit(run_calibrate(opts.config(), output, opts.quiet, scale))
+    if serving:
+        from .commands.serve import require_serve
+        require_serve()
+    raise typer.Exit(run_calibrate(opts.config(), output, opts.quiet, scale, serving=serving))
 
 
 # ---- entry point ---------------------------------------------------------------------------

@@ -89,25 +89,20 @@ def run_serve(cfg: Config, *, host: str, port: int, api_key: str | None, allow_n
     require_serve()
     check_access(host, api_key, allow_no_auth)
     sock = bind(host, port)
-    import uvicorn
-
-    from ..serving.app import ServeSettings, create_app
-    from ..serving.server import Server
+    from ..serving.app import ServeSettings
+    from ..serving.server import make_server
     llm = open_llm(cfg, quiet)
     try:
         llm.engine.reset_stats()
         name = served_model_name or served_name(cfg.model)
         settings = ServeSettings(name, api_key=api_key, max_waiting=max_waiting, max_body_bytes=max_body_bytes,
                                  run_seed=cfg.sampling.run_seed)
-        app = create_app(llm.engine, llm.tokenizer, cfg.sampling.request_defaults(), settings,
-                         max_model_len=max_model_len_of(llm), engine_thread=False)
-        server = Server(uvicorn.Config(app, log_level="warning" if quiet else "info",
-                                       timeout_graceful_shutdown=drain_timeout, access_log=not quiet),
-                        on_first_signal=app.state.front.stop_accepting)
+        server = make_server(llm.engine, llm.tokenizer, cfg.sampling.request_defaults(), settings,
+                             max_model_len=max_model_len_of(llm), quiet=quiet, drain_timeout=drain_timeout)
         shown = f"[{sock.getsockname()[0]}]" if sock.family == socket.AF_INET6 else sock.getsockname()[0]
         print(f"tinyllm serve: {name} on http://{shown}:{sock.getsockname()[1]}/v1 "
               f"(Ctrl-C or SIGTERM drains and stops)", file=sys.stderr, flush=True)
-        server.run_beside(app.state.front, [sock])
+        server.run_beside(server.front, [sock])
         if server.force_exit:
             return 130
         return 130 if signal.SIGINT in server.signals else 0

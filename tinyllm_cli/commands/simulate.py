@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
-from ..errors import UsageError
+from ..errors import TinyLLMError, UsageError
 from ..llm import LLM
 from ..report import stderr_console
 from ..sim.cost import CostModel, calibrate, default_profile_path
@@ -27,7 +27,22 @@ SWEEPS = {"block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_bl
 
 
 def load_profile(path: Path | None) -> CostModel:
-    return CostModel.load(path or default_profile_path())
+    """The cost profile; one warning on stderr when its calibration judged its own fit poor."""
+    path = path or default_profile_path()
+    cost = CostModel.load(path)
+    if cost.fit_quality == "poor":
+        print(f"warning: the cost profile {path} was calibrated with a poor fit ({fit_figures(cost)}); "
+              f"its times may be far off: recalibrate on a quiet machine", file=sys.stderr)
+    return cost
+
+
+def fit_figures(cost: CostModel) -> str:
+    """Each cache kind's fit in one phrase: why it is poor, or its figures."""
+    parts = []
+    for kind, f in cost.fit.items():
+        why = f.get("poor_because") or [f"R^2 {f.get('r2')}", f"median step error {f.get('median_rel_err', 0):.1%}"]
+        parts.append(f"{kind}: {', '.join(why)}")
+    return "; ".join(parts)
 
 
 def trace_items(trace: str | None, gen: dict, replay_rate: float | None = None, seed: int = 0):
@@ -48,8 +63,9 @@ def slo_view(summary: dict, ttft_slo: float | None, tpot_slo: float | None, good
     return rows
 
 
-def run_one(cfg: Config, cost: CostModel, items, ttft_slo, tpot_slo, skip_ahead=True) -> dict:
-    sim = Simulation(cfg, cost, skip_ahead=skip_ahead)
+def run_one(cfg: Config, cost: CostModel, items, ttft_slo, tpot_slo, skip_ahead=True,
+            max_waiting: int | None = None, serving: bool = False) -> dict:
+    sim = Simulation(cfg, cost, skip_ahead=skip_ahead, max_waiting=max_waiting, serving=serving)
     t0 = time.perf_counter()
     good = total = 0
     for out in sim.run(items()):
@@ -88,7 +104,7 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
                  replay_rate: float | None = None,
                  ttft_slo: float | None, tpot_slo: float | None, save_trace: str | None, quiet: bool,
                  stats_json: Path | None, json_out: Path | None = None, plot: Path | None = None,
-                 skip_ahead: bool = True) -> int:
+                 skip_ahead: bool = True, max_waiting: int | None = None, serving: bool = False) -> int:
     """One simulated run (its stats in ``stats_json``) or one per sweep point; ``json_out`` gets
     the rows either way. A sweep is many runs, so it has no one run's stats to write."""
     if sweep and stats_json is not None:
@@ -102,7 +118,7 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
     points = _sweep_configs(cfg, sweep)
     rows = []
     for label, c in points:
-        s = run_one(c, cost, items, ttft_slo, tpot_slo, skip_ahead)
+        s = run_one(c, cost, items, ttft_slo, tpot_slo, skip_ahead, max_waiting, serving)
         rows.append(s | ({"sweep": label} if label else {}))
         if not quiet and len(points) > 1:
             print(f"simulated {label}: {s['num_requests']} requests, {s['elapsed_s']:.1f} s simulated "
@@ -111,6 +127,9 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
     if len(rows) == 1:
         s = rows[0]
         extra = [("simulated in", f"{s['sim_wall_s']:.2f} s wall ({s['skipped_steps']} of {s['steps']} steps skipped ahead)")]
+        if s["rejected"]:
+            extra.append(("rejected (waiting room full)", f"{s['rejected']} of {s['num_requests']} requests "
+                                                          f"(--max-waiting {max_waiting})"))
         extra += slo_view(s, ttft_slo, tpot_slo, s.get("slo"))
         write_json(rows, json_out)
         finish_run(s, title, stats_json, quiet, extra)
@@ -144,13 +163,95 @@ def _pair(p: dict) -> str:
     return "-" if p.get("p50") is None else f"{p['p50']:.3f} / {p['p99']:.3f}"
 
 
-def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0) -> int:
+# Loads for the serving calibration: (rate req/s, requests, mean prompt, mean output), from
+# many requests with few tokens to few requests with many, so the per-request and per-token
+# costs are told apart.
+SERVING_LOADS = ((4.0, 24, 64, 8), (2.0, 16, 32, 64), (8.0, 32, 128, 24), (3.0, 24, 256, 16))
+
+
+def measure_serving(llm, cfg: Config, prof: CostModel, quiet: bool, scale: float = 1.0) -> dict:
+    """The serving section of a profile: ``tinyllm serve``'s own app and server over ``llm``'s
+    engine (configured as ``cfg``; its loop on this thread, HTTP beside it, as ``serve`` runs),
+    on 127.0.0.1, driven by ``tinyllm load`` in another process (as a client would be) with
+    ``SERVING_LOADS``; every step timed (``ServingTimer``) and what it took beyond the offline
+    coefficients fitted to ``serving_features``."""
+    import os
+    import subprocess
+    import threading
+
+    from ..serving.app import ServeSettings
+    from ..serving.server import make_server
+    from ..sim.cost import SERVING_FEATURES, ServingTimer, fit_serving
+    from .serve import bind, max_model_len_of
+    llm.reconfigure(config=cfg)
+    sock = bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    server = make_server(llm.engine, llm.tokenizer, cfg.sampling.request_defaults(), ServeSettings("calibration"),
+                         max_model_len=max_model_len_of(llm), quiet=True)
+    timer = ServingTimer()
+    failed: list[str] = []
+
+    def drive() -> None:
+        try:
+            deadline = time.monotonic() + 300  # a model-loaded server starts in well under a second
+            while not server.started:
+                if time.monotonic() > deadline or server.should_exit:
+                    failed.append("the server did not start")
+                    return
+                time.sleep(0.05)
+            for i, (rate, num, inp, out) in enumerate(SERVING_LOADS):
+                cmd = [sys.executable, "-m", "tinyllm_cli", "load", "--url", url, "--request-rate", str(rate),
+                       "--num-requests", str(max(4, int(num * scale))), "--input-len", str(inp),
+                       "--output-len", str(out), "--workload-seed", str(500 + i),
+                       "--vocab-size", str(llm.runtime.model_cfg.vocab_size), "-q"]
+                if i == 1:  # the first load warms up: its first-call costs are not timed
+                    llm.engine.add_observer(timer)
+                p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+                if p.returncode:
+                    failed.append((p.stderr.strip().splitlines() or ["?"])[-1])
+                    return
+                if not quiet:
+                    print(f"calibrate serving: load {i + 1}/{len(SERVING_LOADS)} ({rate:g} req/s, {num} x {inp} in / "
+                          f"{out} out), {len(timer.samples)} steps timed", file=sys.stderr)
+        finally:
+            server.should_exit = True
+
+    threading.Thread(target=drive, name="tinyllm-calibrate-load", daemon=True).start()
+    try:
+        server.run_beside(server.front, [sock])
+    finally:
+        sock.close()
+    if failed:
+        raise TinyLLMError(f"the serving calibration's load failed: {failed[0]}")
+    coefs, info = fit_serving(timer, prof.coefs[llm.engine.cache.kind])
+    return {"coefs": coefs, "features": list(SERVING_FEATURES), "fit": info,
+            "cache_kind": llm.engine.cache.kind, "loads": [list(x) for x in SERVING_LOADS]}
+
+
+def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, source=None,
+                  serving: bool = False) -> int:
+    """Calibrate and save the profile; a poor fit is saved too (marked ``fit_quality: poor``,
+    which ``simulate`` warns about) and warned about here, with its figures, even when quiet.
+    ``serving``: then measure ``tinyllm serve``'s HTTP cost too (``measure_serving``)."""
     with LLM(config=cfg, progress=not quiet) as llm:
-        prof = calibrate(llm, quiet=quiet, scale=scale)
+        prof = calibrate(llm, quiet=quiet, scale=scale, source=source)
+        if serving:
+            prof.serving = measure_serving(llm, cfg, prof, quiet, scale)
     prof.save(output)
+    if serving and not quiet:
+        f = prof.serving["fit"]
+        c = prof.serving["coefs"]
+        print(f"serving: {f['steps']} steps, {c[0] * 1e3:.2f} ms a step, {c[1] * 1e3:.2f} ms a request, "
+              f"{c[2] * 1e3:.2f} ms a streamed token; served steps' total time error "
+              f"{f['offline_model']['total_time_err']:+.1%} by the offline model, "
+              f"{f['with_serving']['total_time_err']:+.1%} with these", file=sys.stderr)
     if not quiet:
         for kind, f in prof.fit.items():
-            print(f"{kind}: {f['steps']} steps, R^2 {f['r2']}, median step error {f['median_rel_err']:.1%}, "
-                  f"total time error {f['total_time_err']:+.1%}", file=sys.stderr)
+            print(f"{kind}: {f['steps']} steps ({f['retimed']} retimed, {f['outliers_dropped']} dropped), "
+                  f"R^2 {f['r2']}, median step error {f['median_rel_err']:.1%}, "
+                  f"total time error {f['total_time_err']:+.1%}: {f['quality']} fit", file=sys.stderr)
         print(f"wrote {output}", file=sys.stderr)
+    if prof.fit_quality == "poor":
+        print(f"warning: poor fit even after retiming its outlier steps ({fit_figures(prof)}); was the machine "
+              f"busy? {output} is marked fit_quality: poor, and simulate will warn when it is used", file=sys.stderr)
     return 0

@@ -11,6 +11,19 @@ import uvicorn
 SWITCH_S = 0.0005
 
 
+def make_server(engine, tokenizer, defaults, settings, *, max_model_len: int | None, quiet: bool,
+                drain_timeout: float = 30.0) -> "Server":
+    """``tinyllm serve``'s app over ``engine`` (its loop on the calling thread: ``run_beside``)
+    in our uvicorn server; the one way both ``serve`` and ``simulate calibrate --serving`` build it."""
+    from .app import create_app
+    app = create_app(engine, tokenizer, defaults, settings, max_model_len=max_model_len, engine_thread=False)
+    server = Server(uvicorn.Config(app, log_level="warning" if quiet else "info",
+                                   timeout_graceful_shutdown=drain_timeout, access_log=not quiet),
+                    on_first_signal=app.state.front.stop_accepting)
+    server.front = app.state.front
+    return server
+
+
 class Server(uvicorn.Server):
     """uvicorn's server with our signal rules: the first SIGINT/SIGTERM drains, a second SIGINT
     exits at once, and the signal is not raised again afterwards (the command chooses the exit

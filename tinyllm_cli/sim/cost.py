@@ -15,8 +15,13 @@ caller's own work between steps) is modelled as a linear function of the step's 
 with one set of coefficients per cache kind (their attention paths differ). ``calibrate`` times
 real steps of the configured model on this machine (an observer on a real ``LLM`` run, no change
 to the engine), the paged workloads at block sizes 8, 16 and 32 so that ``c_blk`` is measured,
-and fits the coefficients by non-negative least squares; the profile is a small
-JSON that names the model, dtype, device, CPU and thread count it was measured on, and carries
+and fits the coefficients by non-negative least squares. The fit checks itself: steps whose
+relative error is an outlier are timed again (their workload rerun) and keep the shorter timing,
+the fit is redone, and one still poor by the thresholds in ``judge`` is saved marked
+``fit_quality: poor`` (``simulate`` warns when it uses such a profile). An optional ``serving``
+section (``calibrate --serving``) holds what ``tinyllm serve``'s HTTP side adds to a step, per
+step, per starting request and per streamed token (``serving_features``), charged only by
+``simulate --serving``. The profile is a small JSON that names the model, dtype, device, CPU and thread count it was measured on, and carries
 the model's shape (so ``simulate`` needs no weights).
 """
 
@@ -51,17 +56,34 @@ def cache_block_size(cache) -> int | None:
     return cache.block_size if cache.kind == "paged" else None
 
 
+SERVING_FEATURES = ("per_step", "per_request", "per_token")
+
+
+def serving_features(plan) -> list[float]:
+    """What ``tinyllm serve``'s HTTP side adds to a step, in its units: the step (the metrics
+    snapshot, the hand-over of its events), requests starting (a request whose first prefill
+    chunk runs: parsed, queued, answered) and streamed tokens (one chunk each: detokenized,
+    encoded, written)."""
+    from ..engine.runner import samplers_of
+    new = sum(1 for c in plan.prefill if c.start == 0 and c.seq.num_output == 0)
+    return [1.0, new, len(samplers_of(plan))]
+
+
 @dataclass
 class Coefs:
     c: list[float]
     block_size: int | None
+    serve: list[float] = field(default_factory=lambda: [0.0] * len(SERVING_FEATURES))  # zeros: not serving
 
     def step_time(self, plan) -> float:
-        return sum(ci * xi for ci, xi in zip(self.c, step_features(plan, self.block_size)))
+        t = sum(ci * xi for ci, xi in zip(self.c, step_features(plan, self.block_size)))
+        if any(self.serve):
+            t += sum(ci * xi for ci, xi in zip(self.serve, serving_features(plan)))
+        return t
 
     def decode_time(self, rows: int, ctx: int, blocks: int) -> float:
-        c = self.c
-        return c[0] + c[1] * rows + c[2] * ctx + c[6] * blocks
+        c, s = self.c, self.serve
+        return c[0] + c[1] * rows + c[2] * ctx + c[6] * blocks + s[0] + s[2] * rows
 
 
 @dataclass
@@ -75,14 +97,30 @@ class CostModel:
     cpu: str = field(default_factory=lambda: cpu_name())
     threads: int = 0
     model_config: dict = field(default_factory=dict)
-    fit: dict = field(default_factory=dict)  # per kind: steps, R^2, median relative error
+    fit: dict = field(default_factory=dict)  # per kind: steps, R^2, median relative error, quality
+    fit_quality: str = "unknown"  # "good" or "poor" (``judge``); "unknown": made before it was judged
     samples: dict = field(default_factory=dict)  # per kind: the timed steps, [features..., seconds]
     made_with: str = ""
     version: int = PROFILE_VERSION
+    # tinyllm serve's HTTP cost (``calibrate --serving``): {"coefs": per SERVING_FEATURES, "fit": ...}
+    serving: dict = field(default_factory=dict)
 
-    def for_cache(self, cache) -> Coefs:
+    def for_cache(self, cache, serving: bool = False) -> Coefs:
+        """The coefficients for ``cache``; with ``serving``, plus the serving section's (one
+        sentence when the profile has none)."""
+        from ..errors import UsageError
         c = self.coefs.get(cache.kind) or next(iter(self.coefs.values()))
-        return Coefs(list(c), cache_block_size(cache))
+        out = Coefs(list(c), cache_block_size(cache))
+        if serving:
+            if not self.serving.get("coefs"):
+                raise UsageError("this cost profile has no serving section: make one with "
+                                 "'tinyllm simulate calibrate --serving --output FILE'")
+            sv = [float(x) for x in self.serving["coefs"]]
+            if len(sv) != len(SERVING_FEATURES):
+                raise UsageError(f"the cost profile's serving section must have {len(SERVING_FEATURES)} "
+                                 f"coefficients ({', '.join(SERVING_FEATURES)}), not {len(sv)}")
+            out.serve = sv
+        return out
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -163,17 +201,26 @@ def fit(samples: list[tuple[list[float], float]]) -> tuple[list[float], dict]:
                "total_time_err": round(float(total), 4)}
 
 
-class StepTimer:
-    """An engine observer: each step's features and the wall time since the previous step."""
+def wall_time(features: list[float], wall_s: float) -> float:
+    """The timing source of a calibration: a step took the wall time since the previous one.
+    (The seam through which the tests time steps deterministically, disturbed on purpose.)"""
+    return wall_s
 
-    def __init__(self):
+
+class StepTimer:
+    """An engine observer: each step's features and how long it took, by ``source(features,
+    wall_s)`` (default ``wall_time``)."""
+
+    def __init__(self, source=None):
         self.samples: list[tuple[list[float], float]] = []
+        self.source = source or wall_time
         self._last: float | None = None
 
     def __call__(self, engine, plan) -> None:
         now = time.perf_counter()
         if self._last is not None:
-            self.samples.append((step_features(plan, cache_block_size(engine.cache)), now - self._last))
+            f = step_features(plan, cache_block_size(engine.cache))
+            self.samples.append((f, self.source(f, now - self._last)))
         self._last = now
 
     def finish(self, engine) -> None:
@@ -184,20 +231,152 @@ class StepTimer:
         self._last = time.perf_counter()
 
 
+class ServingTimer(StepTimer):
+    """A ``StepTimer`` for an engine behind ``tinyllm serve``: each step also gets its
+    ``serving_features``. Only steps the engine ran back to back are kept (the plan continues a
+    sequence of the step before): after an idle wait, the time since the last step is not a
+    step's cost."""
+
+    def __init__(self, source=None):
+        super().__init__(source)
+        self.serving: list[list[float]] = []
+
+    def __call__(self, engine, plan) -> None:
+        now = time.perf_counter()
+        busy = bool(plan.decode) or any(c.start > 0 for c in plan.prefill)
+        if self._last is not None and busy:
+            f = step_features(plan, cache_block_size(engine.cache))
+            self.samples.append((f, self.source(f, now - self._last)))
+            self.serving.append(serving_features(plan))
+        self._last = now
+
+
+def fit_serving(timer: ServingTimer, base: list[float]) -> tuple[list[float], dict]:
+    """The serving coefficients: what the served steps took beyond the offline model ``base``
+    says, by non-negative least squares on ``serving_features``; the figures say how well the
+    step times are predicted without and with them."""
+    y = [t for _, t in timer.samples]
+    plain = [sum(a * b for a, b in zip(base, f)) for f, _ in timer.samples]
+    X = timer.serving
+    s = [float(x) for x in nnls(X, [t - p for t, p in zip(y, plain)])] if X else [0.0] * len(SERVING_FEATURES)
+    served = [p + sum(a * b for a, b in zip(s, sf)) for p, sf in zip(plain, X)]
+
+    def figures(pred):
+        rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
+        return {"median_rel_err": round(rel[len(rel) // 2], 4) if rel else None,
+                "total_time_err": round(sum(pred) / max(sum(y), 1e-12) - 1, 4)}
+    return s, {"steps": len(y), "offline_model": figures(plain), "with_serving": figures(served)}
+
+
+# ---- fit quality -----------------------------------------------------------------------------
+
+# A step is an outlier when its relative error is far from the rest (robust z-score, the
+# Iglewicz-Hoaglin 3.5 cut) *and* material (over 10%): on a quiet machine a good fit's median
+# step error is ~3%, so a 10% miss is what interference looks like.
+OUTLIER_Z, OUTLIER_REL = 3.5, 0.10
+# A fit is poor past any of these. Quiet calibrations of the default model fit at R^2 0.998-0.999,
+# median step error ~3% and total time error under 1%; one on a shared, busy 2-vCPU host fitted at
+# R^2 0.97 with a 28% median step error and predicted a real run 72% slow. The cuts sit between:
+# a median step error over 10% or a total over 5% is already more than the 10% the simulator is
+# validated to, and R^2 under 0.99 leaves 1% of the step-time variance unexplained.
+POOR_MEDIAN_ERR, POOR_R2, POOR_TOTAL_ERR = 0.10, 0.99, 0.05
+
+
+def outliers(samples: list[tuple[list[float], float]], c: list[float]) -> list[int]:
+    """Indices of the samples whose relative error against coefficients ``c`` is an outlier."""
+    rel = []
+    for f, t in samples:
+        p = sum(a * b for a, b in zip(c, f))
+        rel.append((t - p) / p if p > 0 else 0.0)
+    if len(rel) < 20:
+        return []
+    srt = sorted(rel)
+    med = srt[len(srt) // 2]
+    mad = sorted(abs(r - med) for r in rel)[len(rel) // 2] or 1e-9
+    return [i for i, r in enumerate(rel) if abs(0.6745 * (r - med) / mad) > OUTLIER_Z and abs(r) > OUTLIER_REL]
+
+
+def judge(info: dict) -> list[str]:
+    """Why a fit (``fit``'s figures) is poor, one phrase a reason; empty when it is good."""
+    why = []
+    if info["median_rel_err"] > POOR_MEDIAN_ERR:
+        why.append(f"median step error {info['median_rel_err']:.1%} > {POOR_MEDIAN_ERR:.0%}")
+    if info["r2"] < POOR_R2:
+        why.append(f"R^2 {info['r2']} < {POOR_R2}")
+    if abs(info["total_time_err"]) > POOR_TOTAL_ERR:
+        why.append(f"total time error {info['total_time_err']:+.1%} beyond {POOR_TOTAL_ERR:.0%}")
+    return why
+
+
+def retime(runs: list[list[tuple[list[float], float]]], again, c: list[float]) -> int:
+    """Time the outlier steps again: ``again(w)`` reruns workload ``w`` (the same seeded requests
+    and settings, so the same step shapes in the same order) and an outlier step keeps the
+    shorter of its two timings (interference only ever slows a step down). Returns how many
+    steps were retimed; ``runs`` (per workload, its samples) is updated in place."""
+    flat = [(w, j) for w, run in enumerate(runs) for j in range(len(run))]
+    bad = [flat[i] for i in outliers([runs[w][j] for w, j in flat], c)]
+    n = 0
+    for w in sorted({w for w, _ in bad}):
+        second = again(w)
+        for ww, j in bad:
+            if ww == w and j < len(second) and second[j][0] == runs[w][j][0]:
+                runs[w][j] = (runs[w][j][0], min(runs[w][j][1], second[j][1]))
+                n += 1
+    return n
+
+
+def fit_checked(runs: list[list[tuple[list[float], float]]], again) -> tuple[list[float], dict]:
+    """Fit, retime the outlier steps once (``retime``), fit again and judge the result: the
+    figures gain ``retimed``, ``quality`` ("good" or "poor") and, when poor, ``poor_because``."""
+    c, _ = fit([s for run in runs for s in run])
+    n = retime(runs, again, c)
+    c, info = fit([s for run in runs for s in run])
+    why = judge(info)
+    info |= {"retimed": n, "quality": "poor" if why else "good"} | ({"poor_because": why} if why else {})
+    return c, info
+
+
 # ---- calibration -----------------------------------------------------------------------------
 
 CALIBRATION = [  # (prompts, mean prompt length, output length, max_num_seqs): prefill- to decode-heavy
     (24, 512, 16, 16), (48, 64, 96, 48), (32, 192, 48, 32), (8, 32, 128, 8), (64, 24, 48, 64),
     (12, 1024, 8, 4),
+    # one and two rows a step, as a lightly loaded server runs: without them the fit, led by the
+    # batched steps, charged such steps ~30% too little (2 rows: 10.7 ms fitted, 14.4 ms timed)
+    (6, 96, 64, 2),
 ]
 CALIBRATION_BLOCK_SIZES = (16, 8, 32)  # paged workloads cycle through these, so c_blk is identifiable
 
 
-def calibrate(llm, kinds=("paged", "slot"), quiet: bool = False, scale: float = 1.0) -> CostModel:
+def _time_workload(llm, kind: str, i: int, scale: float, source) -> list[tuple[list[float], float]]:
+    """Run calibration workload ``i`` on the ``kind`` cache and time its steps."""
+    import dataclasses
+
+    from ..workload import random_prompts, requests_for
+    mcfg = llm.runtime.model_cfg
+    limit = min(llm.config.cache.max_model_len, mcfg.max_position_embeddings)
+    num, inp, out, mns = CALIBRATION[i]
+    num = max(2, int(num * scale))
+    inp = max(4, min(int(inp * scale), limit // 2))
+    out = max(4, min(int(out * scale), limit - 2 * inp))
+    bs = CALIBRATION_BLOCK_SIZES[i % len(CALIBRATION_BLOCK_SIZES)] if kind == "paged" else llm.config.cache.block_size
+    c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False, block_size=bs)
+    s = dataclasses.replace(llm.config.scheduler, max_num_seqs=mns)
+    llm.reconfigure(config=dataclasses.replace(llm.config, cache=c, scheduler=s))
+    timer = StepTimer(source)
+    llm.engine.add_observer(timer)
+    timer.gap()
+    for _ in llm.run(requests_for(random_prompts(mcfg, num, inp, 0.5, seed=100 + i), out)):
+        pass
+    return timer.samples
+
+
+def calibrate(llm, kinds=("paged", "slot"), quiet: bool = False, scale: float = 1.0, source=None) -> CostModel:
     """Time real steps of an open ``LLM``'s model on this machine over a spread of batch shapes
-    (per cache kind) and fit a ``CostModel``. ``scale`` shrinks the workloads (tests). The caller
-    owns the ``LLM`` (the simulator sits below it and never builds one); its engine is
-    reconfigured for each workload."""
+    (per cache kind) and fit a ``CostModel``, checking the fit (``fit_checked``: outlier steps
+    retimed once, then judged). ``scale`` shrinks the workloads (tests); ``source`` is the
+    ``StepTimer`` timing source (tests). The caller owns the ``LLM`` (the simulator sits below
+    it and never builds one); its engine is reconfigured for each workload."""
     import dataclasses
     import sys
 
@@ -205,35 +384,29 @@ def calibrate(llm, kinds=("paged", "slot"), quiet: bool = False, scale: float = 
 
     from ..workload import random_prompts, requests_for
     coefs, fits, samples = {}, {}, {}
-    cfg = llm.config
     rt = llm.runtime
     mcfg = rt.model_cfg
-    limit = min(cfg.cache.max_model_len, mcfg.max_position_embeddings)
     for kind in kinds:
-        timer = StepTimer()
         c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False)
         llm.reconfigure(config=dataclasses.replace(llm.config, cache=c))
         for _ in llm.run(requests_for(random_prompts(mcfg, 4, 64, 0.5, seed=99), 8)):
             pass  # warm-up, untimed: first-call costs must not land on a sample
-        for i, (num, inp, out, mns) in enumerate(CALIBRATION):
-            num = max(2, int(num * scale))
-            inp = max(4, min(int(inp * scale), limit // 2))
-            out = max(4, min(int(out * scale), limit - 2 * inp))
-            bs = CALIBRATION_BLOCK_SIZES[i % len(CALIBRATION_BLOCK_SIZES)] if kind == "paged" else llm.config.cache.block_size
-            c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False, block_size=bs)
-            s = dataclasses.replace(llm.config.scheduler, max_num_seqs=mns)
-            llm.reconfigure(config=dataclasses.replace(llm.config, cache=c, scheduler=s))
-            llm.engine.add_observer(timer)
-            timer.gap()
-            prompts = random_prompts(mcfg, num, inp, 0.5, seed=100 + i)
-            for _ in llm.run(requests_for(prompts, out)):
-                pass
+        runs = []
+        for i in range(len(CALIBRATION)):
+            runs.append(_time_workload(llm, kind, i, scale, source))
             if not quiet:
-                print(f"calibrate {kind}: workload {i + 1}/{len(CALIBRATION)} ({num} x {inp} in / {out} out), "
-                      f"{len(timer.samples)} steps timed", file=sys.stderr)
-        coefs[kind], fits[kind] = fit(timer.samples)
-        samples[kind] = [[round(x, 3) for x in f] + [round(t, 6)] for f, t in timer.samples]
+                print(f"calibrate {kind}: workload {i + 1}/{len(CALIBRATION)}, {sum(map(len, runs))} steps timed",
+                      file=sys.stderr)
+
+        def again(w, kind=kind):
+            if not quiet:
+                print(f"calibrate {kind}: retiming outlier steps of workload {w + 1}", file=sys.stderr)
+            return _time_workload(llm, kind, w, scale, source)
+
+        coefs[kind], fits[kind] = fit_checked(runs, again)
+        samples[kind] = [[round(x, 3) for x in f] + [round(t, 6)] for run in runs for f, t in run]
     facts = rt.facts()
+    poor = any(f["quality"] == "poor" for f in fits.values())
     return CostModel(coefs=coefs, model=facts["model"], dtype=facts["dtype"], device=facts["device"],
                      threads=torch.get_num_threads(), model_config=asdict(mcfg), fit=fits, samples=samples,
-                     made_with="tinyllm simulate calibrate")
+                     made_with="tinyllm simulate calibrate", fit_quality="poor" if poor else "good")

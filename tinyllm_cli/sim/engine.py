@@ -57,9 +57,9 @@ class CostRunner:
     """The runner of a simulated engine: a step costs what the cost model says, on the virtual
     clock; the cache's bookkeeping stores the step's tokens; each sampler gets a synthetic token."""
 
-    def __init__(self, cache, cost: CostModel, clock: VirtualClock, vocab_size: int):
+    def __init__(self, cache, cost: CostModel, clock: VirtualClock, vocab_size: int, serving: bool = False):
         self.cache, self.clock = cache, clock
-        self.cost = cost.for_cache(cache)
+        self.cost = cost.for_cache(cache, serving)
         self._span = max(1, vocab_size - 8)
 
     def token(self, s) -> int:
@@ -81,11 +81,12 @@ class CostRunner:
 
 class SimEngine(LLMEngine):
     def __init__(self, model_cfg: ModelConfig, cache, cost: CostModel, *, max_num_seqs: int = 64,
-                 max_prefill_tokens: int = 2048, max_model_len: int | None = None, skip_ahead: bool = True):
+                 max_prefill_tokens: int = 2048, max_model_len: int | None = None, skip_ahead: bool = True,
+                 serving: bool = False):
         if getattr(cache, "has_tensors", False):
             raise ValueError("the simulator's cache is bookkeeping only: build it with tensors=False")
         clock = VirtualClock()
-        runner = CostRunner(cache, cost, clock, model_cfg.vocab_size)
+        runner = CostRunner(cache, cost, clock, model_cfg.vocab_size, serving)
         super().__init__(_NoModel(model_cfg), cache, None, max_num_seqs=max_num_seqs,
                          max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, eos_ids=(), seed=0,
                          runner=runner, clock=clock)

@@ -7,7 +7,13 @@ cluster's pull-based dispatch, on one virtual clock.
 - N engines: the driver holds every request until a worker has room (fewer than
   ``max_num_seqs`` in flight) and gives it to the least loaded one, as ``cluster.ClusterEngine``
   does; the worker with the earliest clock steps next, so all share one timeline.
-- Memory is flat: the trace is read lazily and only requests in flight are held; the stats are
+- The waiting room is bounded as ``tinyllm serve``'s (``max_waiting``): a timed request that
+  arrives while ``max_waiting`` requests already wait (in the engine, or in the driver's queue
+  with N workers, as ``serve`` counts them) is refused, never queued. It is answered with an
+  error output and counted in ``rejected`` (serve's 429, ``tinyllm:requests_rejected_total``).
+  An offline batch (no ``arrival_s``) is fed as ``generate`` feeds it and never refused.
+- Memory is flat: the trace is read lazily and only requests in flight are held (with the
+  bound, at most ``max_waiting`` waiting however fast requests arrive); the stats are
   ``RunStats``'s (whose step history another module bounds).
 """
 
@@ -35,23 +41,28 @@ def sim_runtime(cost: CostModel) -> Runtime:
     return Runtime(cost.model_cfg(), None, cost.model, torch.device("cpu"), dt, "sim", "none", False, 0.0)
 
 
-def make_sim_engine(cfg: Config, cost: CostModel, skip_ahead: bool = True) -> SimEngine:
+def make_sim_engine(cfg: Config, cost: CostModel, skip_ahead: bool = True, serving: bool = False) -> SimEngine:
     rt = sim_runtime(cost)
     cache = make_cache(cfg, rt, tensors=False)
     return SimEngine(rt.model_cfg, cache, cost, max_num_seqs=cfg.scheduler.max_num_seqs,
                      max_prefill_tokens=cfg.scheduler.max_prefill_tokens, max_model_len=cfg.cache.max_model_len,
-                     skip_ahead=skip_ahead)
+                     skip_ahead=skip_ahead, serving=serving)
 
 
 class Simulation:
-    def __init__(self, cfg: Config, cost: CostModel, workers: int | None = None, skip_ahead: bool = True):
+    def __init__(self, cfg: Config, cost: CostModel, workers: int | None = None, skip_ahead: bool = True,
+                 max_waiting: int | None = None, serving: bool = False):
         if cfg.speculative.method != "none":
             raise UsageError(f"simulate does not model speculative decoding (its step-cost model has no verify rows); "
                              f"set speculative.method to none, not {cfg.speculative.method!r}")
         self.cfg, self.cost = cfg, cost
         n = workers or cfg.parallel.workers
-        self.engines = [make_sim_engine(cfg, cost, skip_ahead) for _ in range(n)]
+        self.engines = [make_sim_engine(cfg, cost, skip_ahead, serving) for _ in range(n)]
+        self.serving = serving  # steps also pay the profile's serving section (tinyllm serve's HTTP cost)
         self.per_worker = cfg.scheduler.max_num_seqs
+        self.max_waiting = max_waiting  # None: no bound (serve-batch and generate refuse nothing)
+        self.rejected = 0
+        self.peak_waiting = 0  # the most requests waiting at a step boundary
         self.stats = RunStats(self.engines[0].cache.kind, self.engines[0].cache.block_size,
                               self.engines[0].cache.num_blocks, self.engines[0].cache.kv_bytes, self.per_worker,
                               start=0.0, clock=self._end)
@@ -75,10 +86,14 @@ class Simulation:
             # Everything due by now (timed) and as much of an offline batch as run() would feed.
             while nxt is not None and (nxt.arrival is None and eng.num_waiting() < pending
                                        or nxt.arrival is not None and nxt.arrival <= eng.now):
-                out = eng.add_request(nxt)
-                if out is not None:
-                    yield self._record(out)
+                if self._full(nxt, eng.num_waiting()):
+                    yield self._reject(nxt, eng.num_waiting(), eng.stats)
+                else:
+                    out = eng.add_request(nxt)
+                    if out is not None:
+                        yield self._record(out)
                 nxt = next(reqs, None)
+            self.peak_waiting = max(self.peak_waiting, eng.num_waiting())
             timed = nxt is not None and nxt.arrival is not None
             eng.next_arrival = nxt.arrival if timed else math.inf
             if not eng.has_unfinished():
@@ -94,6 +109,19 @@ class Simulation:
         self.stats.record_request(out)
         return out
 
+    def _full(self, req: Request, waiting: int) -> bool:
+        """Would serve refuse ``req`` now? Only timed requests meet the bound."""
+        return req.arrival is not None and self.max_waiting is not None and waiting >= self.max_waiting
+
+    def _reject(self, req: Request, waiting: int, stats: RunStats) -> RequestOutput:
+        """Refuse ``req`` as serve's full waiting room does (a 429): an error output, counted in
+        ``stats`` (as a failed request) and in ``rejected``."""
+        self.rejected += 1
+        out = RequestOutput.failed(req, f"rejected: {waiting} requests are already waiting "
+                                        f"(--max-waiting {self.max_waiting})")
+        stats.record_request(out)
+        return out
+
     def _run_many(self, reqs: Iterator[Request]) -> Iterator[RequestOutput]:
         engines = self.engines
         inflight = [0] * len(engines)
@@ -107,7 +135,10 @@ class Simulation:
             if nxt is None and not busy and not queue:
                 return
             if nxt is not None and t_arr <= t_busy:  # the next arrival comes first: queue it
-                queue.append(nxt)
+                if self._full(nxt, len(queue)):
+                    yield self._reject(nxt, len(queue), self.stats)
+                else:
+                    queue.append(nxt)
                 nxt = next(reqs, None)
                 now = t_arr
             else:
@@ -134,6 +165,7 @@ class Simulation:
                     continue
                 inflight[j] += 1
                 owner[req.index] = j
+            self.peak_waiting = max(self.peak_waiting, len(queue))
 
     def summary(self) -> RunSummary:
         """The run's figures with the keys of a real run's ``--stats-json``."""
@@ -154,5 +186,6 @@ class Simulation:
         c = self.cost
         out |= {"model": c.model, "load_s": 0.0, "dtype": c.dtype, "gemm": "sim", "quant": "none",
                 "native_kernels": False, "device": c.device, "num_workers": len(self.engines),
-                "simulated": True, "profile_cpu": c.cpu, "skipped_steps": sum(e.skipped_steps for e in self.engines)}
+                "simulated": True, "serving_overhead": self.serving, "rejected": self.rejected, "max_waiting": self.max_waiting,
+                "peak_waiting": self.peak_waiting, "profile_cpu": c.cpu, "skipped_steps": sum(e.skipped_steps for e in self.engines)}
         return RunSummary(out)

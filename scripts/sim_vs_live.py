@@ -1,0 +1,152 @@
+"""`tinyllm simulate` against a live `tinyllm serve` on the same trace: throughput, p50 / p90 TTFT,
+p50 TPOT and preemptions side by side, with the relative error of each.
+
+    python scripts/sim_vs_live.py [--rates 1,3,6] [--num-requests 60] [--input-len 128] [--output-len 32]
+                                  [--caches paged,slot] [--cost-profile P.json] [--serving]
+                                  [--model default] [--json out.json]
+
+For each cache setting (paged with a tight pool that preempts; slot) one `tinyllm serve` is
+started on 127.0.0.1 (a subprocess, as users start it) and warmed up with a few requests; then
+for each rate a seeded Poisson trace (`simulate`'s format) is written and
+- `tinyllm load --trace T --server-metrics --json L.json` sends it to the server (the client's
+  TTFT, TPOT and throughput; preemptions from the server's /metrics), and
+- `tinyllm simulate --trace T --stats-json S.json` runs it with the same model shape and
+  settings (the same flags as the server) and the given cost profile (with ``--serving``, its
+  serving section too: serve's HTTP cost a step, a request and a streamed token),
+both as subprocesses, one after the other (never sharing the cores). Both report the same keys
+(`output_tokens_per_s`, `ttft_s`, `tpot_s`, preemptions); the table goes to stderr, the rows (with
+the load average before and after each) to `--json`. Timed: run it under the measurement lock on
+a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from serving_util import ServerProc  # noqa: E402
+
+from tinyllm_cli.machine import cpu_name  # noqa: E402
+from tinyllm_cli.traces import generate_trace, write_trace  # noqa: E402
+
+CACHES = {  # as scripts/sim_validate.py: a paged pool that preempts, and slots
+    "paged tight": ["--cache", "paged", "--num-blocks", "48", "--block-size", "16", "--max-num-seqs", "16"],
+    "slot": ["--cache", "slot", "--kv-memory", str(8 * 1024 * 46080), "--max-model-len", "1024",
+             "--max-num-seqs", "16"],
+}
+FIGURES = (("out tok/s", "output_tokens_per_s", None), ("TTFT p50 s", "ttft_s", "p50"),
+           ("TTFT p90 s", "ttft_s", "p90"), ("TPOT p50 s", "tpot_s", "p50"))
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tinyllm_cli", *args]
+
+
+def run(cmd: list[str]) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    p = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if p.returncode:
+        raise SystemExit(f"error: {' '.join(cmd[2:5])} ... failed (exit {p.returncode}): "
+                         f"{(p.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def figures(summary: dict, preemptions) -> dict:
+    out = {name: (summary[key] if sub is None else summary[key][sub]) for name, key, sub in FIGURES}
+    return out | {"preemptions": preemptions, "num_failed": summary["num_failed"]}
+
+
+def live(server: ServerProc, trace: Path, tmp: Path) -> dict:
+    out = tmp / "load.json"
+    run(cli("load", "--url", server.v1, "--trace", str(trace), "--server-metrics", "--json", str(out), "-q"))
+    s = json.loads(out.read_text())["runs"][0]["summary"]
+    return figures(s, int(s["server"]["preemptions"]))
+
+
+def simulated(flags: list[str], model: str, profile: str | None, serving: bool, trace: Path, tmp: Path) -> dict:
+    out = tmp / "sim.json"
+    prof = (["--cost-profile", profile] if profile else []) + (["--serving"] if serving else [])
+    run(cli("simulate", "--trace", str(trace), "--model", model, *flags, *prof, "--stats-json", str(out), "-q"))
+    s = json.loads(out.read_text())
+    return figures(s, s["preemptions"])
+
+
+def errors(live_f: dict, sim_f: dict) -> dict:
+    return {name: None if not live_f[name] else round(sim_f[name] / live_f[name] - 1, 4) for name, _, _ in FIGURES}
+
+
+def table(rows: list[dict]) -> str:
+    head = ["cache", "req/s"] + [f"{n} live / sim (err)" for n, _, _ in FIGURES] + ["preempt live / sim", "load avg"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["cache"], f"{r['rate']:g}"]
+        for name, _, _ in FIGURES:
+            e = r["err"][name]
+            cells.append(f"{r['live'][name]:.4g} / {r['sim'][name]:.4g} ({'-' if e is None else f'{e:+.0%}'})")
+        cells.append(f"{r['live']['preemptions']} / {r['sim']['preemptions']}")
+        cells.append(f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--rates", default="1,3,6")
+    ap.add_argument("--num-requests", type=int, default=60)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--caches", default=",".join(CACHES))
+    ap.add_argument("--cost-profile")
+    ap.add_argument("--serving", action="store_true", help="simulate --serving: charge the profile's serving section")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    rates = [float(x) for x in a.rates.split(",")]
+    caches = [c.strip() for c in a.caches.split(",")]
+    if unknown := [c for c in caches if c not in CACHES]:
+        raise SystemExit(f"error: unknown cache setting {unknown[0]!r}; one of {', '.join(CACHES)}")
+    rows = []
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for cache in caches:
+            flags = CACHES[cache]
+            with ServerProc("--model", a.model, *flags, "-q") as server:
+                warm = tmp / "warm.jsonl"
+                write_trace(generate_trace(6, a.input_len, a.output_len, seed=a.seed + 999), str(warm))
+                run(cli("load", "--url", server.v1, "--trace", str(warm), "-q"))  # first-call costs
+                for rate in rates:
+                    trace = tmp / f"trace-{rate:g}.jsonl"
+                    write_trace(generate_trace(a.num_requests, a.input_len, a.output_len, arrivals="poisson",
+                                               rate=rate, seed=a.seed), str(trace))
+                    before = os.getloadavg()
+                    lv = live(server, trace, tmp)
+                    sm = simulated(flags, a.model, a.cost_profile, a.serving, trace, tmp)
+                    row = {"cache": cache, "rate": rate, "live": lv, "sim": sm, "err": errors(lv, sm),
+                           "load_before": before, "load_after": os.getloadavg()}
+                    if a.serving:  # and what the offline model alone says, to show the term's share
+                        off = simulated(flags, a.model, a.cost_profile, False, trace, tmp)
+                        row |= {"sim_offline_model": off, "err_offline_model": errors(lv, off)}
+                    rows.append(row)
+                    print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    print(table(rows), file=sys.stderr)
+    if a.json:
+        a.json.write_text(json.dumps({
+            "kind": "sim_vs_live", "cpu": cpu_name(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+            "commit": commit, "model": a.model, "cost_profile": a.cost_profile or "shipped default", "serving": a.serving,
+            "workload": {"num_requests": a.num_requests, "input_len": a.input_len, "output_len": a.output_len,
+                         "arrivals": "poisson", "seed": a.seed},
+            "caches": {c: CACHES[c] for c in caches}, "command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
