@@ -43,8 +43,10 @@ def parse_args(argv):
                    help="where the engines' venvs, the llama.cpp build and the model files live (outside the repo)")
     p.add_argument("--servers", default="tinyllm,vllm,llamacpp",
                    help="comma list, in the order run; a name may repeat to see drift (default %(default)s)")
-    p.add_argument("--rates", default="1,2,3,4,5,6,8", help="request rates per second, rising (default %(default)s)")
-    p.add_argument("--num-requests", type=int, default=40, help="requests per rate (default %(default)s)")
+    p.add_argument("--rates", default="2,4,6,8,10,12,16", help="request rates per second, rising (default %(default)s)")
+    p.add_argument("--duration", type=float, default=20.0,
+                   help="seconds of arrivals per rate (default %(default)s): the requests grow with the rate, so "
+                        "an overloaded server's queue grows for as long at every rate")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens, every request (default %(default)s)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens, every request (default %(default)s)")
     p.add_argument("--kv-gib", type=int, default=1, help="KV memory of every server in GiB (default %(default)s)")
@@ -142,10 +144,12 @@ def greedy_texts(url: str, prompts: list[list[int]], max_tokens: int = AGREE_TOK
 
 
 def load_cmd(url: str, rate: str, a, workload_seed: int, out: Path) -> list[str]:
-    """The ``tinyllm load`` run of one rate: fixed lengths (``--range-ratio 0``), greedy,
-    ``ignore_eos``, the SLO as goodput."""
+    """The ``tinyllm load`` run of one rate: ``--duration`` seconds of arrivals (the warm-up: 8 at
+    once), fixed lengths (``--range-ratio 0``), greedy, ``ignore_eos``, the SLO as goodput. A fixed
+    number of requests would not do: at a rate far past a server's throughput a short burst ends
+    before its queue has grown, and the p90s would still pass."""
     return [sys.executable, "-m", "tinyllm_cli", "load", "--url", url, "--request-rate", rate,
-            "--num-requests", str(a.num_requests), "--input-len", str(a.input_len), "--output-len", str(a.output_len),
+            *(["--num-requests", "8"] if rate == "inf" else ["--duration", f"{a.duration:g}"]), "--input-len", str(a.input_len), "--output-len", str(a.output_len),
             "--range-ratio", "0", "--seed", "0", "--workload-seed", str(workload_seed),
             "--goodput", f"ttft:{SLO['ttft_s'] * 1000:g} tpot:{SLO['tpot_s'] * 1000:g}", "--json", str(out), "--quiet"]
 

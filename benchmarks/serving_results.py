@@ -60,7 +60,7 @@ def record(a, argv: list[str], now, commit: str | None, cpu: dict, versions: dic
     agreement(sweeps)
     settings = {"command": " ".join(["python -m benchmarks.serving", *argv]),
                 "workload": {"input_len": a.input_len, "output_len": a.output_len, "range_ratio": 0,
-                             "num_requests": a.num_requests, "arrivals": "Poisson", "ignore_eos": True},
+                             "duration_s": a.duration, "arrivals": "Poisson", "ignore_eos": True},
                 "slo": {"percentile": 90, **SLO}, "threads": spec.threads, "max_model_len": spec.max_model_len,
                 "kv": kv, "rates": a.rates, "lock": str(a.lock) if a.lock else None,
                 "sustainable": "interpolated linearly in the SLO ratio between the bracketing rates"}
@@ -164,7 +164,7 @@ def render_run(d: dict) -> str:
     names, mine = labels(sweeps), tinyllm_rate(sweeps)
     head = (f"### {d['cpu']['cpu_class']}\n\nRecorded {d['recorded'].replace('T', ' ').replace('Z', ' UTC')}, "
             f"commit {d['commit'] or 'not recorded'}; CPU: {d['cpu']['cores']} cores of {d['cpu']['model_name']}. "
-            f"Workload: Poisson arrivals, {wl['num_requests']} requests per rate, {wl['input_len']} prompt tokens "
+            f"Workload: Poisson arrivals for {wl['duration_s']:g} s per rate, {wl['input_len']} prompt tokens "
             f"(token ids) and exactly {wl['output_len']} output tokens each (`ignore_eos`), greedy. SLO: "
             f"p{slo['percentile']} TTFT ≤ {slo['ttft_s']:g} s and p{slo['percentile']} TPOT ≤ "
             f"{slo['tpot_s'] * 1000:g} ms. Sustainable rate: {st['sustainable']}.\n")
