@@ -4,7 +4,8 @@ left stopped.
 A loaded worker is stopped (SIGSTOP to its own process group) while another engine is timed, so
 its idle polling does not take the timed engine's cores. Invariant: every group this process
 stopped is continued again, by ``WorkerEngine.close`` normally, or by the guard process
-(``WorkerGuard``) should this process die however it dies, SIGKILL included.
+(``WorkerGuard``) should this process die however it dies, SIGKILL included; every server group
+registered with ``kill_on_exit`` (servers.py) is killed by the guard in that case.
 """
 
 from __future__ import annotations
@@ -26,16 +27,25 @@ class WorkerGuard:
     """A small process, in a session of its own, that continues every worker group the comparison
     stopped once the comparison's process is gone, however it ended (a SIGKILL included: the kernel closes the
     pipe it reads). A continued worker then reads the end of its own input and exits; a stopped one
-    would have waited forever. Started at the first ``add``; one per process (``GUARD``)."""
+    would have waited forever. A server group (``kill_on_exit``) listens on a port rather than
+    reading its input, so it is killed instead. Started at the first ``add``; one per process
+    (``GUARD``)."""
 
     CODE = """
 import os, signal, sys
-groups = set()
+groups, kills = set(), set()
 for line in sys.stdin:
-    (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
-for group in groups:
+    op, group = line[0], int(line[1:])
+    if op == "+":
+        groups.add(group)
+    elif op == "*":
+        kills.add(group)
+    else:
+        groups.discard(group)
+        kills.discard(group)
+for group, sig in [(g, signal.SIGCONT) for g in groups] + [(g, signal.SIGKILL) for g in kills]:
     try:
-        os.killpg(group, signal.SIGCONT)
+        os.killpg(group, sig)
     except OSError:
         pass
 """
@@ -43,15 +53,22 @@ for group in groups:
     def __init__(self):
         self.proc: subprocess.Popen | None = None
         self.groups: set[int] = set()
+        self.kills: set[int] = set()
 
     def add(self, pgid: int) -> None:
         self.groups.add(pgid)
         self._tell(f"+{pgid}")
 
+    def kill_on_exit(self, pgid: int) -> None:
+        """Kill this process group (a server) should the comparison's process end without stopping it."""
+        self.kills.add(pgid)
+        self._tell(f"*{pgid}")
+
     def discard(self, pgid: int) -> None:
-        """Forget a closed worker's group: its number may be reused by another."""
-        if pgid in self.groups:
+        """Forget a closed worker's or stopped server's group: its number may be reused by another."""
+        if pgid in self.groups or pgid in self.kills:
             self.groups.discard(pgid)
+            self.kills.discard(pgid)
             self._tell(f"-{pgid}")
 
     def _tell(self, line: str) -> None:
@@ -59,7 +76,8 @@ for group in groups:
             self._drop()
             self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], stdin=subprocess.PIPE, text=True,
                                          start_new_session=True)
-            line = "\n".join(f"+{g}" for g in self.groups) or line  # a new guard learns every group
+            known = [f"+{g}" for g in self.groups] + [f"*{g}" for g in self.kills]
+            line = "\n".join(known) or line  # a new guard learns every group
         try:
             self.proc.stdin.write(line + "\n")
             self.proc.stdin.flush()

@@ -1,6 +1,7 @@
 """``python -m benchmarks.report``: the comparison tables of docs/performance.md, rendered from the
 stored results (``benchmarks/results/*.json``, see results.py) as markdown on stdout (``--summary``:
-the front page's short table); ``--write FILE`` puts each between the file's markers instead.
+the front page's short table; ``--serving``: the serving comparison, serving_results.py);
+``--write FILE`` puts each between the file's markers instead.
 
 One table per CPU class. Invariant: each row (shape, bench, dtype) comes whole from the latest
 run that measured it, so the figures and ratios of a row are always from one run (figures of
@@ -15,6 +16,12 @@ from pathlib import Path
 
 from .common import ENGINE_NAMES, ENGINES
 from .results import RESULTS_DIR, Result, ResultError, load
+from .serving_results import BEGIN as SERVING_BEGIN
+from .serving_results import END as SERVING_END
+from .serving_results import SERVING_DIR
+from .serving_results import block as serving_block
+from .serving_results import load as load_serving
+from .serving_results import render as render_serving
 
 BEGIN = "<!-- results: rendered by python -m benchmarks.report from benchmarks/results; do not edit by hand -->"
 END = "<!-- end of results -->"
@@ -157,13 +164,16 @@ def replace_block(text: str, new_block: str, name: str = "the file", begin: str 
     return text[:start] + new_block + text[stop:]
 
 
-def write_into(path: Path, results: list[Result]) -> None:
-    """Replace the tables' block, the summary's block, or both, whichever ``path`` holds."""
+def write_into(path: Path, results: list[Result], serving_dir: Path = SERVING_DIR) -> None:
+    """Replace the tables' block, the summary's block, the serving comparison's block (rendered
+    from ``serving_dir``), whichever ``path`` holds."""
     text = path.read_text()
-    blocks = [(BEGIN, END, block), (SUMMARY_BEGIN, SUMMARY_END, summary_block)]
+    blocks = [(BEGIN, END, block), (SUMMARY_BEGIN, SUMMARY_END, summary_block),
+              (SERVING_BEGIN, SERVING_END, lambda _: serving_block(load_serving(serving_dir)))]
     present = [(b, e, f) for b, e, f in blocks if b in text or e in text]
     if not present:
-        raise ResultError(f"{path} has neither the tables' markers nor the summary's ({BEGIN!r}, {SUMMARY_BEGIN!r})")
+        raise ResultError(f"{path} has none of the tables', the summary's or the serving comparison's markers "
+                          f"({BEGIN!r}, {SUMMARY_BEGIN!r}, {SERVING_BEGIN!r})")
     for b, e, f in present:
         text = replace_block(text, f(results), str(path), b, e)
     path.write_text(text)
@@ -175,6 +185,8 @@ def main(argv=None) -> int:
                                             "stored results; stdout, or --write into a file's marked block.")
     p.add_argument("--results", type=Path, default=RESULTS_DIR, help="the results directory (default %(default)s)")
     p.add_argument("--summary", action="store_true", help="the front page's short table instead (README.md)")
+    p.add_argument("--serving", action="store_true",
+                   help="the serving comparison instead (from benchmarks/results/serving)")
     p.add_argument("--write", type=Path, action="append", default=[],
                    help="replace the marked blocks of this markdown file instead of printing (repeatable: "
                         "docs/performance.md, README.md)")
@@ -184,9 +196,11 @@ def main(argv=None) -> int:
         if not results:
             raise ResultError(f"no result files in {a.results}")
         for path in a.write:
-            write_into(path, results)
+            write_into(path, results, a.results / "serving")
             print(f"wrote what {len(results)} stored runs give into {path}", file=sys.stderr)
-        if not a.write:
+        if a.serving and not a.write:
+            sys.stdout.write(render_serving(load_serving(a.results / "serving")))
+        elif not a.write:
             sys.stdout.write(summary(results) if a.summary else render(results))
     except (ResultError, OSError) as e:
         print(f"benchmarks.report: {e}", file=sys.stderr)

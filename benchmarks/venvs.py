@@ -20,7 +20,7 @@ TORCH_PIN = "torch==2.13.0"
 OPENVINO_PINS = ("openvino-genai==2026.4.1.0", "optimum-intel[openvino,nncf]==2.2.0")
 LLAMACPP_SDIST = "llama-cpp-python==0.3.36"
 LLAMACPP_DIR = "llama_cpp_python-0.3.36"  # what the sdist unpacks to
-LLAMACPP_TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+LLAMACPP_TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server")
 
 
 def run_logged(cmd: list[str], logfile: Path, **kw) -> bool:
@@ -85,8 +85,9 @@ def openvino_version(py: Path) -> str:
 
 
 def llamacpp_bin(cache: Path, install: bool) -> Path:
-    """The directory with llama-bench and llama-batched-bench, building them when missing from the
-    llama.cpp tree vendored in the llama-cpp-python sdist (cmake, native CPU flags, 2 jobs)."""
+    """The directory with llama-bench, llama-batched-bench, llama-quantize and llama-server, building
+    them when missing from the llama.cpp tree vendored in the llama-cpp-python sdist (cmake, native
+    CPU flags, 2 jobs)."""
     root = cache / "llamacpp"
     src = root / LLAMACPP_DIR / "vendor" / "llama.cpp"
     bindir = src / "build" / "bin"
@@ -96,15 +97,17 @@ def llamacpp_bin(cache: Path, install: bool) -> Path:
         raise Skip(f"no llama.cpp build in {bindir} (run without --no-setup to build it)")
     root.mkdir(parents=True, exist_ok=True)
     logfile = cache / "llamacpp-build.log"
-    log(f"building llama.cpp's llama-bench and llama-batched-bench (about 6 min on 2 cores; log: {logfile}) ...")
+    log(f"building llama.cpp's {', '.join(LLAMACPP_TOOLS)} (15 minutes or so on 2 cores; log: {logfile}) ...")
     if not src.exists():
         if not run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                            LLAMACPP_SDIST, "-d", root], logfile):
             raise Skip(f"could not download the {LLAMACPP_SDIST} sdist (see {logfile})")
         with tarfile.open(next(root.glob("llama_cpp_python-*.tar.gz"))) as tar:
             tar.extractall(root, filter="data")
+    # No web UI for llama-server: its assets would be built with npm or downloaded from a Hugging
+    # Face bucket, and the build must reach nothing but the package registry.
     configure = ["cmake", "-S", src, "-B", src / "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                 "-DCMAKE_BUILD_TYPE=Release"]
+                 "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DCMAKE_BUILD_TYPE=Release"]
     build = ["cmake", "--build", src / "build", "-j2", "--target", *LLAMACPP_TOOLS]
     if not (run_logged(configure, logfile) and run_logged(build, logfile)):
         raise Skip(f"the llama.cpp build failed (see {logfile})")

@@ -482,8 +482,8 @@ def between(text: str, begin: str, end: str, name: str) -> str:
 
 
 def test_the_comparison_tables_are_the_stored_results():
-    """docs/performance.md's tables and README.md's summary equal what the report renders from
-    benchmarks/results: a changed figure, a new result file or a hand edit fails here until
+    """docs/performance.md's tables (the serving comparison's too) and README.md's summary equal
+    what the report renders from benchmarks/results: a changed figure, a new result file or a hand edit fails here until
     `python -m benchmarks.report --write docs/performance.md --write README.md` is run."""
     perf = (ROOT / "docs" / "performance.md").read_text()
     begin = "<!-- results: rendered by python -m benchmarks.report from benchmarks/results; do not edit by hand -->"
@@ -494,6 +494,9 @@ def test_the_comparison_tables_are_the_stored_results():
     summary = between(README.read_text(), begin, "<!-- end of summary -->", "README.md")
     assert summary == rendered("--summary")
     assert len(summary.splitlines()) <= 15
+    begin = ("<!-- serving: rendered by python -m benchmarks.report from benchmarks/results/serving; "
+             "do not edit by hand -->")
+    assert between(perf, begin, "<!-- end of serving -->", "docs/performance.md") == rendered("--serving")
 
 
 DIARY = re.compile(r"\b(this|last|previous|next|first|second|third|[a-z]+th) sessions?\b", re.I)

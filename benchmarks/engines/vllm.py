@@ -16,11 +16,15 @@ from ..workloads import longest_sequence
 WORKER = Path(__file__).resolve().parent.parent / "workers" / "vllm_worker.py"
 
 
+def vllm_settings(kv_gib: int) -> dict:
+    """The environment vLLM's CPU engine needs here, in the batched rows and the serving comparison
+    alike (see docs/performance.md): 2 threads bound to cores 0-1, ``kv_gib`` GiB of KV, offline."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_USE_AOT_COMPILE": "0",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
 def vllm_env(kv_gib: int) -> dict:
-    """The settings vLLM's CPU engine needs here (see docs/performance.md, the comparison section)."""
-    return os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
-                         "VLLM_USE_AOT_COMPILE": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                         "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+    return os.environ | vllm_settings(kv_gib)
 
 
 def vllm_model_len(workloads: dict, benches) -> int:
