@@ -160,18 +160,19 @@ def main() -> int:
         print(f"ab_commits: {why}", file=sys.stderr)
         return 2
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    commits = {s: commit(p) for s, p in sides.items()}  # before the run: a commit made meanwhile is not measured
     try:
         runs = rounds(sides, args)
     except RunFailed as e:
         print(f"ab_commits: {e}", file=sys.stderr)
         return 1
     rows = summary(runs, args.workloads, args.dtypes)
-    print(f"{cpu_model()}; before {commit(sides['before'])}, after {commit(sides['after'])}; {started}; "
+    print(f"{cpu_model()}; before {commits['before']}, after {commits['after']}; {started}; "
           f"{args.cache} cache\n")
     print(table(rows, runs))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_model(), "started": started, "cache": args.cache,
-                                         "commits": {s: commit(p) for s, p in sides.items()},
+                                         "commits": commits,
                                          "summary": rows, "runs": runs}, indent=1) + "\n")
     return 0
 

@@ -148,8 +148,9 @@ def measure(out: Path, dtype: str) -> None:
     # A short max_model_len keeps the slot cache's reservations (and its runs) small; no prompt
     # here comes near it, and it decides nothing else.
     with LLM("default", progress=False, dtype=dtype, num_blocks=256, max_num_seqs=16, max_model_len=512) as llm:
+        about = meta(llm)  # before the run: the commit is the one measured, not one made meanwhile
         paths = collect(llm, log)
-        data = {"meta": meta(llm), "paths": paths}
+        data = {"meta": about, "paths": paths}
     out.write_text(json.dumps(data, indent=1) + "\n")
     log(f"{len(paths)} paths written to {out}")
 
