@@ -21,6 +21,7 @@ from tinyllm_cli.loadgen.run import GONE, Target, new_client, run_rate
 from tinyllm_cli.loadgen.schedule import Prompts, Workload, plan, send_times
 from tinyllm_cli.traces import generate_trace
 
+from conftest import wait_s
 from serving_util import ServerProc  # noqa: E402  (tests/: a real tinyllm serve process)
 
 URL = "http://load.test/v1"
@@ -426,9 +427,9 @@ def server():
         yield s
 
 
-def load_cli(*args, timeout=600) -> subprocess.CompletedProcess:
+def load_cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tinyllm_cli", "load", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=wait_s(600))
 
 
 def test_live_sweep_goodput_from_records_and_the_servers_own_counts(server, tmp_path):
@@ -486,7 +487,7 @@ def test_live_server_that_goes_away_mid_run(tmp_path):
         victim.wait_metric("vllm:generation_tokens_total", lambda v: v is not None and v >= 32,
                            "counted two requests' tokens")
         victim.stop()  # SIGKILL, mid-run
-        out, err = load.communicate(timeout=300)
+        out, err = load.communicate(timeout=wait_s(300))
     assert load.returncode == 1 and out == ""
     errors = [ln for ln in err.splitlines() if ln.startswith("error")]  # after the partial rate's table
     assert errors == [err.strip().splitlines()[-1]] and "went away after" in errors[0] and str(out_json) in errors[0]
