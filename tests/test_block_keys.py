@@ -22,6 +22,7 @@ from tinyllm_cli.cache.kv import PagedKVCache
 from tinyllm_cli.config import Config
 from tinyllm_cli.runtime import Runtime, make_cache
 
+from conftest import wait_s
 from test_cache_props import CFG
 from test_parallel_sampling import fork_simulation
 
@@ -91,8 +92,16 @@ def test_keys_do_not_depend_on_the_process():
             f"c = PagedKVCache(ModelConfig(**{dataclasses.asdict(CFG)!r}), 8, 4, torch.float32, 'cpu', "
             "prefix_caching=True); t = list(range(3, 19)); c.try_admit(0, t, use_prefix=False); "
             "c.commit(0, t, len(t)); print(b''.join(k for k, _ in c.chains[0]).hex())")
-    outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
-                           capture_output=True, text=True).stdout.strip() for seed in ("1", "2")}
+    # Both processes at once: each spends its time importing torch, which a second core overlaps.
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in ("1", "2")]
+    try:
+        results = [p.communicate(timeout=wait_s(120)) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in results]
+    outs = {out.strip() for out, _ in results}
     assert outs == {b"".join(chain_keys(cache(), list(range(3, 19)))).hex()}
 
 

@@ -471,7 +471,7 @@ def test_performance_tables_name_their_cpu_and_date():
 def rendered(*args: str) -> str:
     """What ``python -m benchmarks.report`` renders from the stored results (it imports no test code)."""
     r = subprocess.run([sys.executable, "-m", "benchmarks.report", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       timeout=wait_s(120), env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     return r.stdout
 

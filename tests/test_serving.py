@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -61,18 +62,26 @@ def test_models_and_health(server, client):
 
 
 def test_completions_streamed_equal_whole_with_stops(client):
+    """Each (prompt, stop) asked whole and streamed; the pairs run four at a time, as the server's
+    four sequences batch them (answers do not depend on the batch: see the concurrent test below),
+    so the 24 answers take about a quarter of the steps they take one by one."""
     m = model_of(client)
-    for prompt in PROMPTS:
-        for stop in (None, ["\n"], [" the", "."]):
-            whole = client.completions.create(model=m, prompt=prompt, max_tokens=24, stop=stop)
-            texts, reasons, usage = joined(client.completions.create(
-                model=m, prompt=prompt, max_tokens=24, stop=stop, stream=True, stream_options={"include_usage": True}))
-            assert texts[0] == whole.choices[0].text
-            assert reasons[0] == whole.choices[0].finish_reason
-            assert usage.completion_tokens == whole.usage.completion_tokens
-            assert usage.prompt_tokens == whole.usage.prompt_tokens
-            for s in stop or ():
-                assert s not in whole.choices[0].text
+
+    def both(prompt, stop):
+        whole = client.completions.create(model=m, prompt=prompt, max_tokens=24, stop=stop)
+        return whole, joined(client.completions.create(
+            model=m, prompt=prompt, max_tokens=24, stop=stop, stream=True, stream_options={"include_usage": True}))
+
+    cases = [(prompt, stop) for prompt in PROMPTS for stop in (None, ["\n"], [" the", "."])]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        answers = list(pool.map(lambda case: both(*case), cases))
+    for (prompt, stop), (whole, (texts, reasons, usage)) in zip(cases, answers):
+        assert texts[0] == whole.choices[0].text, (prompt, stop)
+        assert reasons[0] == whole.choices[0].finish_reason
+        assert usage.completion_tokens == whole.usage.completion_tokens
+        assert usage.prompt_tokens == whole.usage.prompt_tokens
+        for s in stop or ():
+            assert s not in whole.choices[0].text
 
 
 def test_chat_streamed_equal_whole(client):
