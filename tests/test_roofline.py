@@ -247,3 +247,14 @@ def test_bench_shows_where_the_limit_is(capsys, llama_dir, tmp_path, monkeypatch
     (row,) = json.loads(js.read_text())
     assert code == 0 and row["reference"]["roofline"]["gemm_gflops"] == 9.0
     assert "best of 2 measurements" in " ".join(err.split())
+
+
+def test_slow_rates_are_kept_to_significant_digits_not_rounded_to_zero(monkeypatch):
+    # A tiny shape timed on a starved host: 0.2 s a call is ~0.02 GFLOP/s and ~0.08 GB/s, which
+    # decimal rounding turned into a zero peak (and a ZeroDivisionError in bound_s).
+    monkeypatch.setattr(rl, "_best_seconds", lambda fn, budget, device=None: 0.2)
+    rates = rl._matmul_rates(torch.float32, (64, 160), "torch", 0.01)
+    expect = {rows: 2 * int(rows) * 64 * 160 / 0.2 / 1e9 for rows in rates["torch"]}
+    assert all(r > 0 for r in rates["torch"].values())
+    assert rates["torch"] == pytest.approx(expect, rel=1e-3)
+    assert 0 < rl._read_bandwidth(0.01) == pytest.approx(rl.BANDWIDTH_BYTES / 0.2 / 1e9, rel=1e-3)

@@ -409,7 +409,9 @@ def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], packed: str, budge
             for rows in PEAK_ROWS:
                 x = torch.randn(rows, k).to(device, dtype)
                 seconds = _best_seconds(lambda: fn(x), slice_s, device)
-                out[name][str(rows)] = round(2 * rows * k * n / seconds / 1e9, 1)
+                # Significant digits, not decimals: a tiny model's rate on a starved host can be
+                # under 0.05 GFLOP/s, and a peak rounded to 0 would divide every bound by zero.
+                out[name][str(rows)] = _sig(2 * rows * k * n / seconds / 1e9)
     return out
 
 
@@ -418,4 +420,4 @@ def _read_bandwidth(budget: float, device: torch.device = torch.device("cpu")) -
     weights)."""
     x = torch.ones(BANDWIDTH_BYTES // 4, device=device)  # written once, so every page is mapped before timing
     with torch.inference_mode():
-        return round(x.nbytes / _best_seconds(x.sum, budget, device) / 1e9, 2)
+        return _sig(x.nbytes / _best_seconds(x.sum, budget, device) / 1e9)
