@@ -222,9 +222,12 @@ def pool_size(cfg: Config, rt: Runtime, held: int = 0) -> PoolSize:
     try:
         if c.kind == "slot":
             max_len = min(c.max_model_len, mcfg.max_position_embeddings)
-            return PoolSize("slot", SlotBlockManager.blocks_in(mcfg, budget.bytes, max_len, rt.dtype), max_len, budget.how)
-        n = c.num_blocks if c.num_blocks is not None else BlockManager.blocks_in(mcfg, budget.bytes, c.block_size, rt.dtype)
-        return PoolSize("paged", n, c.block_size, budget.how)
+            n = SlotBlockManager.blocks_in(mcfg, budget.bytes, max_len, rt.dtype)
+            return PoolSize("slot", n, max_len, budget.how)
+        if c.num_blocks is not None:
+            return PoolSize("paged", c.num_blocks, c.block_size, budget.how)
+        return PoolSize("paged", BlockManager.blocks_in(mcfg, budget.bytes, c.block_size, rt.dtype), c.block_size,
+                        budget.how)
     except CacheError as e:
         raise UsageError(str(e))
 

@@ -67,8 +67,8 @@ class LLMEngine(Engine):
                  runner: Runner | None = None, clock: Callable[[], float] = time.perf_counter):
         """``cache``: the block manager the scheduler admits, grows and preempts in.
         ``runner``: what computes the steps (default: a ``ModelRunner`` on ``model`` with new
-        K/V storage for ``cache``). ``clock``: every timestamp the engine and its stats take (wall time; the
-        simulator passes its virtual clock)."""
+        K/V storage for ``cache``). ``clock``: every timestamp the engine and its stats take
+        (wall time; the simulator passes its virtual clock)."""
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.clock = clock
         self.runner: Runner = runner if runner is not None else ModelRunner(model, cache)
