@@ -2,10 +2,10 @@
 first miss, look it up) plus ``commit`` (key and register the blocks the request computes), for
 N prompts of L tokens, with no model and no K/V work (a 1-layer, 4-wide cache config).
 
-Uses only PagedKVCache's public methods, so it times any checkout: point PYTHONPATH at one.
+Uses only ``BlockManager``'s public methods (no K/V storage is built).
 
   PYTHONPATH=. .venv/bin/python scripts/bench_prefix_admission.py
-  PYTHONPATH=/tmp/old .venv/bin/python scripts/bench_prefix_admission.py --prompts 1000 --len 512
+  PYTHONPATH=. .venv/bin/python scripts/bench_prefix_admission.py --prompts 1000 --len 512
 
 Workloads (seeded): distinct = no prompt shares a block with another (one lookup, L / bs
 registrations each); shared = a common first 3/4, then tokens of its own (hits, then
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from tinyllm_cli.cache.kv import PagedKVCache
+from tinyllm_cli.cache.blocks import BlockManager
 from tinyllm_cli.model.llama import ModelConfig
 from tinyllm_cli.machine import cpu_name
 
@@ -40,9 +40,9 @@ def prompts(kind: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [list(one) for _ in range(n)]
 
 
-def admit_all(reqs: list[list[int]], block_size: int, cache_cls=PagedKVCache) -> float:
+def admit_all(reqs: list[list[int]], block_size: int) -> float:
     blocks = sum(-(-len(p) // block_size) for p in reqs) + 1
-    cache = cache_cls(CFG, blocks, block_size, torch.float32, "cpu", prefix_caching=True)
+    cache = BlockManager(CFG, blocks, block_size, torch.float32, prefix_caching=True)
     # CPU time of this thread: the loop is single-threaded Python, and on a shared host wall
     # time mostly measures the neighbours.
     t0 = time.thread_time()

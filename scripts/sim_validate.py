@@ -78,7 +78,7 @@ def simulated(cfg, cost, items) -> tuple[dict, list]:
     sim = Simulation(cfg, cost, workers=1)
     for _ in sim.run(items):
         pass
-    return figures(sim.summary()), [(r["blocks_used"], r["running"]) for r in sim.engines[0].stats.timeline()]
+    return figures(sim.summary()), [(r["blocks_used"], r["running"]) for r in sim.engines[0].engine.stats.timeline()]
 
 
 def median_of(runs: list[dict]) -> dict:

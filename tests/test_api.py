@@ -103,12 +103,12 @@ def test_reconfigure_takes_the_closed_pools_and_reads_nothing_they_held(llama_di
         want = fresh.generate(prompts, params, use_tqdm=False)
     with LLM(str(llama_dir), **settings) as llm:
         llm.generate(first, params, use_tqdm=False)
-        old = llm.engine.cache
+        old = llm.engine.runner.storage
         k_ptr = old.k.data_ptr()
         old.k.fill_(float("nan"))
         old.v.fill_(float("nan"))
         llm.reconfigure()
-        new = llm.engine.cache
+        new = llm.engine.runner.storage
         assert not old.has_tensors and new.k.data_ptr() == k_ptr  # the same memory, one live owner
         got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -120,7 +120,7 @@ def test_a_failed_reconfigure_leaves_the_llm_as_it_was(llama_dir):
         want = [o.token_ids for o in llm.generate([[5, 6, 7]], use_tqdm=False)]
         with pytest.raises(UsageError, match="holds no block"):
             llm.reconfigure(kv_memory="1KiB")
-        assert llm.config.cache.kv_memory == "2MiB" and llm.engine.cache.has_tensors
+        assert llm.config.cache.kv_memory == "2MiB" and llm.engine.runner.storage.has_tensors
         assert [o.token_ids for o in llm.generate([[5, 6, 7]], use_tqdm=False)] == want
 
 
@@ -130,10 +130,11 @@ def test_engines_alive_together_never_share_pools(llama_dir):
         rt = llm.runtime
         llm.engine.close()  # its pools become the spare
         a, b = make_engine(llm.config, rt), make_engine(llm.config, rt)  # the first takes them, the second cannot
-        assert a.cache.k.data_ptr() != b.cache.k.data_ptr() and rt.pool_memory.held_bytes == 0
-        nbytes = 2 * b.cache.k.numel() * b.cache.k.element_size()
+        sa, sb = a.runner.storage, b.runner.storage
+        assert sa.k.data_ptr() != sb.k.data_ptr() and rt.pool_memory.held_bytes == 0
+        nbytes = 2 * sb.k.numel() * sb.k.element_size()
         b.close()
-        assert rt.pool_memory.held_bytes == nbytes and not b.cache.has_tensors
+        assert rt.pool_memory.held_bytes == nbytes and not sb.has_tensors
         a.close()
         llm.engine = make_engine(llm.config, rt)
     assert rt.pool_memory.held_bytes == 0  # LLM.close frees the spare

@@ -14,13 +14,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import tinyllm_cli.cache.kv as kv
+import tinyllm_cli.cache.blocks as blocks_mod
 from tinyllm_cli.cache import block_keys
 from tinyllm_cli.cache.allocator import ROOT_SERIAL, BlockPool
 from tinyllm_cli.cache.block_keys import ROOT, prefix_salt
-from tinyllm_cli.cache.kv import PagedKVCache
+from tinyllm_cli.cache.blocks import BlockManager
 from tinyllm_cli.config import Config
-from tinyllm_cli.runtime import Runtime, make_cache
+from tinyllm_cli.runtime import Runtime, make_blocks, pool_size
 
 from conftest import wait_s
 from test_cache_props import CFG
@@ -38,7 +38,7 @@ COLLIDING = {
 }
 
 
-def chain_keys(cache: PagedKVCache, tokens: list[int], seq_id: int = 0) -> list[bytes]:
+def chain_keys(cache: BlockManager, tokens: list[int], seq_id: int = 0) -> list[bytes]:
     """Keys of every full block of ``tokens``, as the cache registers them."""
     cache.try_admit(seq_id, tokens, use_prefix=False)
     cache.commit(seq_id, tokens, len(tokens))
@@ -47,8 +47,8 @@ def chain_keys(cache: PagedKVCache, tokens: list[int], seq_id: int = 0) -> list[
     return keys
 
 
-def cache(block_size=4, num_blocks=64, dtype=torch.float32, cfg=CFG, **kw) -> PagedKVCache:
-    return PagedKVCache(cfg, num_blocks, block_size, dtype, "cpu", prefix_caching=True, **kw)
+def cache(block_size=4, num_blocks=64, dtype=torch.float32, cfg=CFG, **kw) -> BlockManager:
+    return BlockManager(cfg, num_blocks, block_size, dtype, prefix_caching=True, **kw)
 
 
 # ---- what a key depends on ----------------------------------------------------------------------
@@ -87,9 +87,9 @@ def test_salt_separates_models_and_dtypes_and_is_deterministic():
 def test_keys_do_not_depend_on_the_process():
     # Python's hash() of str / bytes / tuples holding them is randomised per process (and the
     # salt is built from strings); keys must not be.
-    code = ("import torch; from tinyllm_cli.cache.kv import PagedKVCache; "
+    code = ("import torch; from tinyllm_cli.cache.blocks import BlockManager; "
             "from tinyllm_cli.model.llama import ModelConfig; "
-            f"c = PagedKVCache(ModelConfig(**{dataclasses.asdict(CFG)!r}), 8, 4, torch.float32, 'cpu', "
+            f"c = BlockManager(ModelConfig(**{dataclasses.asdict(CFG)!r}), 8, 4, torch.float32, "
             "prefix_caching=True); t = list(range(3, 19)); c.try_admit(0, t, use_prefix=False); "
             "c.commit(0, t, len(t)); print(b''.join(k for k, _ in c.chains[0]).hex())")
     # Both processes at once: each spends its time importing torch, which a second core overlaps.
@@ -113,7 +113,7 @@ def test_runtime_salts_caches_with_the_model_name(num_blocks):
     cfg = Config()
     cfg.cache.prefix_caching, cfg.cache.num_blocks, cfg.cache.block_size = True, num_blocks, 4
     cfg.cache.kv_memory = "4KiB"
-    a, b, a2 = make_cache(cfg, rt("model-a")), make_cache(cfg, rt("model-b")), make_cache(cfg, rt("model-a"))
+    a, b, a2 = (make_blocks(cfg, r, pool_size(cfg, r)) for r in (rt("model-a"), rt("model-b"), rt("model-a")))
     assert a.salt == a2.salt != b.salt
     assert chain_keys(a, list(range(8))) != chain_keys(b, list(range(8)))
 
@@ -126,7 +126,7 @@ def test_collision_on_a_parent_does_not_adopt_another_prefix(mode):
     # block's tokens, but B's second block holds W's K/V after Y: Q may reuse X only.
     bs = 2
     x, y, z, w = [1, 2], [3, 4], [5, 6], [7, 8]
-    with mock.patch.object(kv, "block_key", COLLIDING[mode]):
+    with mock.patch.object(blocks_mod, "block_key", COLLIDING[mode]):
         c = cache(bs)
         for sid, toks in enumerate([x + z + [9], y + w + [9]]):
             c.try_admit(sid, toks)
@@ -183,5 +183,5 @@ def test_forced_collisions_never_serve_another_prefix(mode, block_size, extra_bl
 
     need = max(max(-(-(p + 1) // block_size) + n - 1, -(-(p + m) // block_size)) for p, m, n in reqs)
     c = cache(block_size, need + extra_blocks)
-    with mock.patch.object(kv, "block_key", COLLIDING[mode]):
+    with mock.patch.object(blocks_mod, "block_key", COLLIDING[mode]):
         fork_simulation(c, reqs, max_num_seqs, budget, draws, strict=False, prompt=prompt)

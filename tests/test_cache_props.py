@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tinyllm_cli.cache.allocator import BlockAllocator, BlockError
-from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
+from tinyllm_cli.cache.blocks import BlockManager, CacheError, SlotBlockManager
+from tinyllm_cli.cache.storage import KVStorage
 from tinyllm_cli.engine.request import Request, SamplingParams, Sequence, Status
 from tinyllm_cli.engine.scheduler import Scheduler, Verify
 from tinyllm_cli.model.llama import ModelConfig
@@ -50,7 +51,7 @@ def test_allocator_never_hands_out_a_block_twice(ops):
         assert set(a.free_list()).isdisjoint(held)
 
 
-def check_invariants(cache: PagedKVCache, sched: Scheduler, shared_ok: bool = False) -> None:
+def check_invariants(cache: BlockManager, sched: Scheduler, shared_ok: bool = False) -> None:
     """``shared_ok``: prefix caching may put one block in several tables (counted by its refs)."""
     owned = [b for t in cache.tables.values() for b in t]
     assert shared_ok or len(owned) == len(set(owned)), "a block is in two tables"
@@ -75,7 +76,7 @@ def check_invariants(cache: PagedKVCache, sched: Scheduler, shared_ok: bool = Fa
 
 def simulate(cache, reqs, max_num_seqs, budget, finish_draws):
     """Drive scheduler + cache exactly as the engine does, with a fake sampler."""
-    sched = Scheduler(cache, max_num_seqs, budget)
+    sched, storage = Scheduler(cache, max_num_seqs, budget), KVStorage(cache, "cpu")
     for i, (plen, new) in enumerate(reqs):
         r = Request(str(i), list(range(plen)), SamplingParams(max_new_tokens=new))
         sched.add(Sequence(i, r, 0, list(r.prompt_token_ids), plen))
@@ -87,7 +88,7 @@ def simulate(cache, reqs, max_num_seqs, budget, finish_draws):
         plan = sched.schedule()
         for s in plan.failed:
             done += 1
-        cache.plan_step([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
+        storage.plan_step([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
         for s in plan.decode:
             s.num_cached += 1
         for c in plan.prefill:
@@ -113,7 +114,7 @@ def test_paged_cache_invariants_under_random_workloads(block_size, extra_blocks,
                                                        budget, finish_draws):
     longest = max(p + n for p, n in reqs)
     num_blocks = -(-longest // block_size) + extra_blocks  # every request fits alone
-    cache = PagedKVCache(CFG, num_blocks, block_size, torch.float32, "cpu")
+    cache = BlockManager(CFG, num_blocks, block_size, torch.float32)
     simulate(cache, reqs, max_num_seqs, budget, finish_draws)
 
 
@@ -121,19 +122,19 @@ def test_paged_cache_invariants_under_random_workloads(block_size, extra_blocks,
 @given(n_slots=st.integers(1, 4), reqs=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12)), min_size=1, max_size=8),
        finish_draws=st.lists(st.booleans(), max_size=100))
 def test_slot_cache_invariants(n_slots, reqs, finish_draws):
-    cache = SlotKVCache(CFG, n_slots, 40, torch.float32, "cpu")
+    cache = SlotBlockManager(CFG, n_slots, 40, torch.float32)
     simulate(cache, reqs, 8, 64, finish_draws)
 
 
 def test_preemption_picks_newest():
-    cache = PagedKVCache(CFG, 7, 2, torch.float32, "cpu")
+    cache = BlockManager(CFG, 7, 2, torch.float32)
     sched = Scheduler(cache, 8, 100)
     for i in range(4):
         r = Request(str(i), [1, 2, 3, 4], SamplingParams(max_new_tokens=50))
         sched.add(Sequence(i, r, 0, [1, 2, 3, 4], 4))
     plan = sched.schedule()  # each needs 3 free blocks to enter and takes 2: three get in
     assert len(plan.prefill) == 3 and cache.allocator.num_free == 1
-    cache.plan_step([], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
+    cache.advance([], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
     for c in plan.prefill:
         s = c.seq
         s.num_cached = c.start + c.n
@@ -151,7 +152,7 @@ def test_preemption_picks_newest():
 def speculative_simulation(cache, reqs, max_num_seqs, budget, draws, k):
     """Drive scheduler + cache as the engine does, with random drafts and random acceptance,
     checking the pool after every step."""
-    sched = Scheduler(cache, max_num_seqs, budget)
+    sched, storage = Scheduler(cache, max_num_seqs, budget), KVStorage(cache, "cpu")
     for i, (plen, new) in enumerate(reqs):
         r = Request(str(i), [(i * 7 + j) % 5 for j in range(plen)], SamplingParams(max_new_tokens=new))
         sched.add(Sequence(i, r, 0, list(r.prompt_token_ids), plen))
@@ -166,9 +167,9 @@ def speculative_simulation(cache, reqs, max_num_seqs, budget, draws, k):
         sched.speculate(plan, [Verify(s, [1] * c) for (s, _), c in zip(wants, caps) if c > 0])
         for v in plan.verify:  # the granted room is really there, no preemption needed
             assert len(cache.tables[v.seq.seq_id]) * cache.block_size >= v.seq.num_tokens + len(v.drafts)
-        cache.plan_step([s.seq_id for s in plan.decode],
-                        [(c.seq.seq_id, c.start, c.n) for c in plan.prefill] +
-                        [(v.seq.seq_id, v.seq.num_tokens - 1, 1 + len(v.drafts)) for v in plan.verify])
+        storage.plan_step([s.seq_id for s in plan.decode],
+                          [(c.seq.seq_id, c.start, c.n) for c in plan.prefill] +
+                          [(v.seq.seq_id, v.seq.num_tokens - 1, 1 + len(v.drafts)) for v in plan.verify])
         for s in plan.decode:
             s.num_cached += 1
         for c in plan.prefill:
@@ -201,8 +202,7 @@ def speculative_simulation(cache, reqs, max_num_seqs, budget, draws, k):
 def test_paged_pool_invariants_hold_with_drafts_and_rejections(block_size, extra_blocks, prefix, reqs, max_num_seqs,
                                                               budget, k, draws):
     longest = max(p + n for p, n in reqs)
-    cache = PagedKVCache(CFG, -(-longest // block_size) + extra_blocks, block_size, torch.float32, "cpu",
-                         prefix_caching=prefix)
+    cache = BlockManager(CFG, -(-longest // block_size) + extra_blocks, block_size, torch.float32, prefix_caching=prefix)
     speculative_simulation(cache, reqs, max_num_seqs, budget, draws, k)
 
 
@@ -210,11 +210,11 @@ def test_paged_pool_invariants_hold_with_drafts_and_rejections(block_size, extra
 @given(n_slots=st.integers(1, 4), reqs=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 12)), min_size=1, max_size=6),
        k=st.integers(1, 6), draws=st.lists(st.integers(0, 100), max_size=200))
 def test_slot_pool_invariants_hold_with_drafts_and_rejections(n_slots, reqs, k, draws):
-    speculative_simulation(SlotKVCache(CFG, n_slots, 40, torch.float32, "cpu"), reqs, 8, 64, draws, k)
+    speculative_simulation(SlotBlockManager(CFG, n_slots, 40, torch.float32), reqs, 8, 64, draws, k)
 
 
 def test_truncate_refuses_to_cut_a_registered_block():
-    cache = PagedKVCache(CFG, 8, 2, torch.float32, "cpu", prefix_caching=True)
+    cache = BlockManager(CFG, 8, 2, torch.float32, prefix_caching=True)
     cache.try_admit(0, [1, 2, 3, 4, 5])
     cache.commit(0, [1, 2, 3, 4, 5], 5)  # blocks 0 and 1 registered (positions 0..3)
     cache.advance([], [(0, 0, 5)])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tinyllm_cli.cache.attention import NoCacheAttention
-from tinyllm_cli.cache.kv import PagedKVCache, SlotKVCache
+from tinyllm_cli.cache.blocks import BlockManager, SlotBlockManager
 from tinyllm_cli.engine.engine import LLMEngine
 from tinyllm_cli.model.checkpoint import load_checkpoint
 from tinyllm_cli.model.llama import build_model
@@ -53,9 +53,9 @@ def test_engine_matches_no_cache_reference_on_cuda(llama_dir, tiny_model, kind):
     reqs = make_requests()
     refs = [reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens) for r in reqs]
     if kind == "paged":
-        cache = PagedKVCache(model.cfg, preempting_blocks(reqs), 4, torch.float32, CUDA)
+        cache = BlockManager(model.cfg, preempting_blocks(reqs), 4, torch.float32)
     else:
-        cache = SlotKVCache(model.cfg, 3, 128, torch.float32, CUDA)
+        cache = SlotBlockManager(model.cfg, 3, 128, torch.float32)
     eng = LLMEngine(model, cache, None, max_num_seqs=7, max_prefill_tokens=16)
     outs = sorted(eng.run(reqs), key=lambda o: o.index)
     assert [o.token_ids for o in outs] == refs
@@ -65,7 +65,7 @@ def test_engine_matches_no_cache_reference_on_cuda(llama_dir, tiny_model, kind):
 
 def test_bf16_engine_runs_on_cuda(llama_dir):
     model = _model(llama_dir, torch.bfloat16)
-    eng = LLMEngine(model, PagedKVCache(model.cfg, 256, 16, torch.bfloat16, CUDA), None, max_num_seqs=8)
+    eng = LLMEngine(model, BlockManager(model.cfg, 256, 16, torch.bfloat16), None, max_num_seqs=8)
     outs = list(eng.run(make_requests()))
     assert len(outs) == 7 and all(o.finish_reason == "length" and o.token_ids for o in outs)
 
@@ -77,8 +77,8 @@ def test_forks_match_no_cache_reference_on_cuda(llama_dir, tiny_model, kind):
     for r in reqs:
         r.params.n = 3
     refs = [[reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens)] * 3 for r in reqs]
-    cache = (PagedKVCache(model.cfg, 24, 4, torch.float32, CUDA) if kind == "paged"
-             else SlotKVCache(model.cfg, 6, 64, torch.float32, CUDA))
+    cache = (BlockManager(model.cfg, 24, 4, torch.float32) if kind == "paged"
+             else SlotBlockManager(model.cfg, 6, 64, torch.float32))
     eng = LLMEngine(model, cache, None, max_num_seqs=12, max_prefill_tokens=16)
     outs = sorted(eng.run(reqs), key=lambda o: o.index)
     assert [[c.token_ids for c in o.completions] for o in outs] == refs
@@ -88,7 +88,7 @@ def test_forks_match_no_cache_reference_on_cuda(llama_dir, tiny_model, kind):
 @pytest.mark.parametrize("requests", [mixed_requests, logprob_requests])
 def test_no_blocking_sync_on_cuda(llama_dir, requests):
     model = _model(llama_dir, torch.bfloat16)
-    cache = PagedKVCache(model.cfg, 64, 4, torch.bfloat16, CUDA)
+    cache = BlockManager(model.cfg, 64, 4, torch.bfloat16)
     eng = LLMEngine(model, cache, None, max_num_seqs=4, max_prefill_tokens=16)
     for r in requests():
         eng.add_request(r)
@@ -126,19 +126,19 @@ def test_llm_on_cuda_matches_no_cache_reference_and_reuses_its_pools(llama_dir, 
     # float32: dtype 'auto' is bfloat16 on a GPU, and the reference computes in float32
     settings = dict(device=CUDA, dtype="float32", block_size=4, kv_memory="2MiB", seed=3, progress=False)
     with LLM(str(llama_dir), **settings) as fresh:
-        assert fresh.engine.cache.k.device.type == "cuda"
+        assert fresh.engine.runner.storage.k.device.type == "cuda"
         got = fresh.generate(prompts, greedy, use_tqdm=False)
         assert [o.token_ids for o in got] == [reference_greedy(tiny_model, p, 9) for p in prompts]
         fresh.reconfigure()  # the seed restarts with the new engine, as in the LLM below
         want = fresh.generate(prompts, sampled, use_tqdm=False)
     with LLM(str(llama_dir), **settings) as llm:
         llm.generate(prompts[:3], sampled, use_tqdm=False)
-        old = llm.engine.cache
+        old = llm.engine.runner.storage
         k_ptr = old.k.data_ptr()
         old.k.fill_(float("nan"))
         old.v.fill_(float("nan"))
         llm.reconfigure()
-        assert not old.has_tensors and llm.engine.cache.k.data_ptr() == k_ptr
+        assert not old.has_tensors and llm.engine.runner.storage.k.data_ptr() == k_ptr
         got = llm.generate(prompts, sampled, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
@@ -171,7 +171,7 @@ def test_engine_steps_never_run_cudnn_attention(llama_dir, monkeypatch):
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     model = _model(llama_dir, torch.bfloat16)
-    eng = LLMEngine(model, PagedKVCache(model.cfg, 64, 4, torch.bfloat16, CUDA), None, max_num_seqs=4)
+    eng = LLMEngine(model, BlockManager(model.cfg, 64, 4, torch.bfloat16), None, max_num_seqs=4)
     before = torch.backends.cuda.cudnn_sdp_enabled()
     assert len(list(eng.run(make_requests(n=3)))) == 3
     assert seen and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled() == before  # restored

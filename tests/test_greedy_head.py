@@ -13,7 +13,7 @@ from tinyllm_cli import kernels as native
 from tinyllm_cli.engine.request import SamplingParams
 from tinyllm_cli.model.greedy_head import GreedyScreen, argmax, head_argmax, row_norms
 
-from tinyllm_cli.cache.kv import PagedKVCache
+from tinyllm_cli.cache.blocks import BlockManager
 
 from test_engine import make_requests, reference_greedy, run
 
@@ -127,7 +127,7 @@ def test_model_greedy_forward_is_the_logits_argmax(tiny_model, qwen2_dir, tied):
 
 
 def _outputs(model, reqs):
-    cache = PagedKVCache(model.cfg, 256, 8, torch.float32, "cpu")
+    cache = BlockManager(model.cfg, 256, 8, torch.float32)
     outs, _ = run(model, cache, reqs)
     return [(o.token_ids, o.logprobs) for o in outs]
 

@@ -27,7 +27,7 @@ import torch
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tinyllm_cli.cache.kv import PagedKVCache
+from tinyllm_cli.cache.blocks import BlockManager
 from tinyllm_cli.cli import main
 from tinyllm_cli.config import Config, SamplingConfig, build_config, load_config
 from tinyllm_cli.engine.engine import LLMEngine
@@ -521,7 +521,7 @@ def real_tokenizer(default_checkpoint):
 
 @pytest.fixture(scope="module")
 def admit_engine(tiny_model):
-    cache = PagedKVCache(tiny_model.cfg, 16, 4, torch.float32, "cpu")
+    cache = BlockManager(tiny_model.cfg, 16, 4, torch.float32)
     return LLMEngine(tiny_model, cache, None, max_num_seqs=4, max_model_len=48)
 
 
@@ -600,7 +600,7 @@ def test_fuzz_valid_requests_run_to_an_answer(tiny_model, records):
     """Whatever sampling values pass validation, a batch runs to one answer per request."""
     builder = RequestBuilder(None, False, SamplingConfig(max_new_tokens=2))
     reqs = [builder.build(i, i + 1, r, i) for i, r in enumerate(records)]
-    cache = PagedKVCache(tiny_model.cfg, 32, 4, torch.float32, "cpu")
+    cache = BlockManager(tiny_model.cfg, 32, 4, torch.float32)
     engine = LLMEngine(tiny_model, cache, None, max_num_seqs=4, max_model_len=64)
     outs = list(engine.run(reqs))
     assert sorted(o.index for o in outs) == list(range(len(reqs)))

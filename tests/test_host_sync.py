@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyllm_cli.cache.kv import PagedKVCache
+from tinyllm_cli.cache.blocks import BlockManager
 from tinyllm_cli.engine.engine import LLMEngine
 from tinyllm_cli.engine.request import Request, SamplingParams
 
@@ -38,7 +38,7 @@ def logprob_requests():
 
 @pytest.mark.parametrize("requests", [mixed_requests, logprob_requests])
 def test_one_readback_per_step(tiny_model, monkeypatch, requests):
-    cache = PagedKVCache(tiny_model.cfg, 64, 4, torch.float32, "cpu")
+    cache = BlockManager(tiny_model.cfg, 64, 4, torch.float32)
     eng = LLMEngine(tiny_model, cache, None, max_num_seqs=4, max_prefill_tokens=16)
     calls: list[str] = []
     for name in READBACKS:

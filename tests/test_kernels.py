@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tinyllm_cli import kernels
 from tinyllm_cli.cache.attention import causal_attention, chunk_mask, decode_attention, resolve_attention
-from tinyllm_cli.cache.kv import CacheError, PagedKVCache, SlotKVCache
+from tinyllm_cli.cache.blocks import BlockManager, CacheError, SlotBlockManager
 from tinyllm_cli.machine import cpu_flags_line
 from tinyllm_cli.model import fused
 from tinyllm_cli.model.fused import LinearKind, fused_layer_args
@@ -282,14 +282,13 @@ def test_engine_paths_equal_no_cache_recompute(tiny_model, kind, attention, dens
     try:
         refs = [reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens) for r in reqs]
         if kind == "paged":
-            cache = PagedKVCache(tiny_model.cfg, preempting_blocks(reqs), 4, torch.float32, "cpu",
-                                 prefix_caching=True, attention=attention)
-            outs, eng = run(tiny_model, cache, reqs, max_prefill_tokens=16)
+            cache = BlockManager(tiny_model.cfg, preempting_blocks(reqs), 4, torch.float32, prefix_caching=True)
+            outs, eng = run(tiny_model, cache, reqs, attention=attention, max_prefill_tokens=16)
             assert eng.stats.preemptions > 0 and cache.prefix_hits > 0
         else:
-            cache = SlotKVCache(tiny_model.cfg, 3, 128, torch.float32, "cpu", attention=attention)
-            outs, eng = run(tiny_model, cache, reqs)
-        assert cache.attention == attention
+            cache = SlotBlockManager(tiny_model.cfg, 3, 128, torch.float32)
+            outs, eng = run(tiny_model, cache, reqs, attention=attention)
+        assert eng.runner.storage.attention == attention
         assert [o.token_ids for o in outs] == refs
     finally:
         use_native_ops(tiny_model, kernels.load())
@@ -317,8 +316,8 @@ def assert_fused_equals_ops(model, dtype: torch.dtype) -> list:
     try:
         for dense in ("fused", "ops"):
             set_dense_path(model, dense)
-            cache = PagedKVCache(model.cfg, 64, 4, dtype, "cpu", attention="kernel")
-            outs, _ = run(model, cache, reqs, max_prefill_tokens=16)
+            cache = BlockManager(model.cfg, 64, 4, dtype)
+            outs, _ = run(model, cache, reqs, attention="kernel", max_prefill_tokens=16)
             results[dense] = [(o.token_ids, o.logprobs) for o in outs]
     finally:
         use_native_ops(model, True)
@@ -413,11 +412,12 @@ def test_disabled_kernels_fall_back_or_refuse(tiny_model):
     a CacheError naming why (in a fresh process, since loading is once per process)."""
     p = run_without_kernels(
         "import torch, sys\n"
-        "from tinyllm_cli.cache.kv import PagedKVCache, CacheError\n"
+        "from tinyllm_cli.cache.blocks import BlockManager, CacheError\n"
+        "from tinyllm_cli.cache.storage import KVStorage\n"
         "from tinyllm_cli.model.llama import ModelConfig\n"
         "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
-        "print(PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n"
-        "try:\n    PagedKVCache(cfg, 4, 4, torch.float32, 'cpu', attention='kernel')\n"
+        "print(KVStorage(BlockManager(cfg, 4, 4, torch.float32), 'cpu').attention)\n"
+        "try:\n    KVStorage(BlockManager(cfg, 4, 4, torch.float32), 'cpu', attention='kernel')\n"
         "except CacheError as e:\n    print('refused:', e)\n")
     assert p.stdout.splitlines() == ["gather", "refused: attention 'kernel' is unavailable: it did not build "
                                                 "(disabled by TINYLLM_KERNELS=0)"]
@@ -433,10 +433,11 @@ def test_a_failed_build_falls_back_with_the_compilers_reason(tmp_path):
     stale.touch()
     code = ("import torch\n"
             "from tinyllm_cli import kernels\n"
-            "from tinyllm_cli.cache.kv import PagedKVCache\n"
+            "from tinyllm_cli.cache.blocks import BlockManager\n"
+            "from tinyllm_cli.cache.storage import KVStorage\n"
             "from tinyllm_cli.model.llama import ModelConfig\n"
             "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
-            "print(kernels.load(), PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n")
+            "print(kernels.load(), KVStorage(BlockManager(cfg, 4, 4, torch.float32), 'cpu').attention)\n")
     env = {**os.environ, "TINYLLM_KERNEL_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=wait_s(120))
     assert p.returncode == 0, p.stderr
@@ -566,11 +567,12 @@ def test_a_build_that_outlasts_the_wait_leaves_the_pytorch_path_and_one_note(tmp
     builder = start_fake_build(directory, f"tinyllm_kernels_{kernels.build_key()}", 600)
     code = ("import torch\n"
             "from tinyllm_cli import kernels\n"
-            "from tinyllm_cli.cache.kv import PagedKVCache\n"
+            "from tinyllm_cli.cache.blocks import BlockManager\n"
+            "from tinyllm_cli.cache.storage import KVStorage\n"
             "from tinyllm_cli.model.llama import ModelConfig\n"
             "kernels.LOCK_WAIT_S, kernels._NOTE_AFTER_S = 2.0, 0.5\n"
             "cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)\n"
-            "print(kernels.load(), PagedKVCache(cfg, 4, 4, torch.float32, 'cpu').attention)\n")
+            "print(kernels.load(), KVStorage(BlockManager(cfg, 4, 4, torch.float32), 'cpu').attention)\n")
     env = {**os.environ, "TINYLLM_KERNEL_CACHE": str(tmp_path)}
     env.pop("TINYLLM_KERNELS", None)
     try:
@@ -697,13 +699,13 @@ def test_bf16_engine_on_the_kernels_matches_a_pytorch_recompute(tiny_bf16, kind)
     reqs[-1].id, reqs[-1].index = "dup", len(reqs) - 1
     assert tiny_bf16.native and tiny_bf16.stack is not None
     if kind == "paged":
-        cache = PagedKVCache(tiny_bf16.cfg, preempting_blocks(reqs), 4, torch.bfloat16, "cpu", prefix_caching=True)
+        cache = BlockManager(tiny_bf16.cfg, preempting_blocks(reqs), 4, torch.bfloat16, prefix_caching=True)
         outs, eng = run(tiny_bf16, cache, reqs, max_prefill_tokens=16)
         assert eng.stats.preemptions > 0 and cache.prefix_hits > 0
     else:
-        cache = SlotKVCache(tiny_bf16.cfg, 3, 128, torch.bfloat16, "cpu")
-        outs, _ = run(tiny_bf16, cache, reqs)
-    assert cache.attention == "kernel"
+        cache = SlotBlockManager(tiny_bf16.cfg, 3, 128, torch.bfloat16)
+        outs, eng = run(tiny_bf16, cache, reqs)
+    assert eng.runner.storage.attention == "kernel"
     use_native_ops(tiny_bf16, False)
     worst: list[float] = []
     try:

@@ -46,7 +46,7 @@ from test_gguf_roundtrip import _k_blocks, _permute  # noqa: E402
 from test_model_vs_hf import (LLAMA3_SCALING, _assert_logits_match, _hf, _hf_greedy, _ours,  # noqa: E402
                               _ours_greedy, _packed_logits, _prompts)
 import tinyllm_cli  # noqa: E402
-from tinyllm_cli.cache.kv import PagedKVCache  # noqa: E402
+from tinyllm_cli.cache.blocks import BlockManager  # noqa: E402
 from tinyllm_cli.errors import CheckpointError  # noqa: E402
 from tinyllm_cli.model.checkpoint import load_checkpoint  # noqa: E402
 from tinyllm_cli.model.llama import build_model  # noqa: E402
@@ -222,7 +222,7 @@ def test_engine_paged_cache_matches_transformers(shape, shapes):
     d, _ = shapes[shape]
     ours, hf = _ours(d), _hf(d)
     reqs = make_requests(n=4, vocab=ours.cfg.vocab_size, lens=(3, 24), new=(4, 12))
-    cache = PagedKVCache(ours.cfg, preempting_blocks(reqs), 4, torch.float32, "cpu", prefix_caching=True)
+    cache = BlockManager(ours.cfg, preempting_blocks(reqs), 4, torch.float32, prefix_caching=True)
     outs, eng = run(ours, cache, reqs)
     for r, o in zip(reqs, outs):
         assert o.token_ids == _hf_greedy(hf, r.prompt_token_ids, r.params.max_new_tokens), r.id

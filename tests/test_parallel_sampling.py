@@ -12,7 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tinyllm_cli.cache.kv import PagedKVCache, SlotKVCache
+from tinyllm_cli.cache.blocks import BlockManager, SlotBlockManager
+from tinyllm_cli.cache.storage import KVStorage
 from tinyllm_cli.engine.engine import LLMEngine
 from tinyllm_cli.engine.request import Group, Request, SamplingParams, Sequence, Status, fork_seed
 from tinyllm_cli.engine.scheduler import Scheduler
@@ -40,8 +41,8 @@ def completions(outs) -> list[list[list[int]]]:
 @pytest.mark.parametrize("kind", ["paged", "slot"])
 def test_greedy_n_copies_equal_one_greedy_run(tiny_model, kind):
     reqs = n_requests(4)
-    cache = (PagedKVCache(tiny_model.cfg, 256, 4, torch.float32, "cpu") if kind == "paged"
-             else SlotKVCache(tiny_model.cfg, 20, 64, torch.float32, "cpu"))
+    cache = (BlockManager(tiny_model.cfg, 256, 4, torch.float32) if kind == "paged"
+             else SlotBlockManager(tiny_model.cfg, 20, 64, torch.float32))
     outs, eng = run(tiny_model, cache, reqs, max_num_seqs=20)
     for r, comps in zip(reqs, completions(outs)):
         ref = reference_greedy(tiny_model, r.prompt_token_ids, r.params.max_new_tokens)
@@ -58,14 +59,14 @@ def test_completion_i_equals_n1_with_the_derived_seed(tiny_model, prefix_caching
     reqs = n_requests(4, count=2, seed=1, temperature=0.9, top_k=60, top_p=0.95, repetition_penalty=1.1)
     for i, r in enumerate(reqs):
         r.params.seed = 70 + i
-    cache = PagedKVCache(tiny_model.cfg, 256, 4, torch.float32, "cpu", prefix_caching=prefix_caching)
+    cache = BlockManager(tiny_model.cfg, 256, 4, torch.float32, prefix_caching=prefix_caching)
     outs, _ = run(tiny_model, cache, reqs, max_num_seqs=16)
     got = completions(outs)
     for r, comps in zip(reqs, got):
         alone = []
         for i in range(4):
             one = Request(r.id, r.prompt_token_ids, dataclasses.replace(r.params, n=1, seed=fork_seed(r.params.seed, i)))
-            (o,), _ = run(tiny_model, PagedKVCache(tiny_model.cfg, 64, 4, torch.float32, "cpu"), [one])
+            (o,), _ = run(tiny_model, BlockManager(tiny_model.cfg, 64, 4, torch.float32), [one])
             alone.append(o.token_ids)
         assert comps == alone
         assert len({tuple(c) for c in comps}) > 1  # the forks really sample differently
@@ -81,11 +82,11 @@ def test_n4_under_forced_preemption_equals_no_preemption(tiny_model, prefix_cach
         r.params.seed = 5 + i
         r.params.max_new_tokens = 14
     reqs[1].params.temperature = 0.0  # a greedy group too
-    big = PagedKVCache(tiny_model.cfg, 512, 4, torch.float32, "cpu", prefix_caching=prefix_caching)
+    big = BlockManager(tiny_model.cfg, 512, 4, torch.float32, prefix_caching=prefix_caching)
     ref, _ = run(tiny_model, big, reqs, max_num_seqs=16)
     # Room for one group's prompt and first tokens, far from four groups growing together.
     small_blocks = max(-(-(len(r.prompt_token_ids) + 14) // 4) for r in reqs) + 4
-    small = PagedKVCache(tiny_model.cfg, small_blocks, 4, torch.float32, "cpu", prefix_caching=prefix_caching)
+    small = BlockManager(tiny_model.cfg, small_blocks, 4, torch.float32, prefix_caching=prefix_caching)
     pre, eng = run(tiny_model, small, reqs, max_num_seqs=16)
     assert eng.stats.preemptions > 0 and eng.stats.summary()["forks"] == 12
     assert any(c.preemptions for o in pre for c in o.completions)
@@ -98,18 +99,18 @@ def test_a_group_that_exactly_fits_runs_without_preemption(tiny_model):
     # 10 prompt tokens in blocks of 4: two full blocks shared, the partial third copied by three
     # forks while the fourth writes it in place: 2 + 4 = 6 blocks, the whole pool.
     req = Request("x", list(range(20, 30)), SamplingParams(max_new_tokens=2, n=4, ignore_eos=True))
-    cache = PagedKVCache(tiny_model.cfg, 6, 4, torch.float32, "cpu")
+    cache = BlockManager(tiny_model.cfg, 6, 4, torch.float32)
     (out,), eng = run(tiny_model, cache, [req], max_num_seqs=4)
     assert eng.stats.preemptions == 0 and cache.cow_copies == 3 and eng.stats.summary()["peak_blocks_used"] == 6
     assert [c.token_ids for c in out.completions] == [reference_greedy(tiny_model, req.prompt_token_ids, 2)] * 4
-    smaller = PagedKVCache(tiny_model.cfg, 5, 4, torch.float32, "cpu")
+    smaller = BlockManager(tiny_model.cfg, 5, 4, torch.float32)
     (refused,), _ = run(tiny_model, smaller, [req], max_num_seqs=4)
     assert "needs 6 KV blocks for its n = 4 completions but the whole pool has 5" in refused.error
 
 
 # ---- the cache invariant, driven through the real scheduler with a fake sampler -----------------
 
-def check_fork_invariants(cache: PagedKVCache, sched: Scheduler, history: dict) -> None:
+def check_fork_invariants(cache: BlockManager, storage: KVStorage, sched: Scheduler, history: dict) -> None:
     """Refcounts equal table occurrences; tables cover what is stored; and every position a
     running sequence has stored still holds *its* token history (a shared block written by one
     holder would show up here as another holder's wrong history)."""
@@ -124,7 +125,7 @@ def check_fork_invariants(cache: PagedKVCache, sched: Scheduler, history: dict) 
         assert cache.lens[sid] == s.num_cached
         assert len(cache.tables[sid]) * cache.block_size >= s.num_cached
         for p, slot in enumerate(cache.slots(sid, 0, s.num_cached)):
-            assert cache.k[0, slot, 0, 0].item() == history[tuple(s.tokens[:p + 1])], \
+            assert storage.k[0, slot, 0, 0].item() == history[tuple(s.tokens[:p + 1])], \
                 f"seq {sid} position {p} was overwritten"
     for s in sched.waiting:
         assert s.seq_id not in cache.tables and s.num_cached == 0
@@ -136,7 +137,7 @@ def fork_simulation(cache, reqs, max_num_seqs, budget, draws, strict,
     pool, the id of the token history whose K/V the slot would hold (so copies on write move
     it like real K/V); ``strict``: no written block has another holder. ``prompt(i, plen)``:
     request i's prompt."""
-    sched = Scheduler(cache, max_num_seqs, budget)
+    sched, storage = Scheduler(cache, max_num_seqs, budget), KVStorage(cache, "cpu")
     ids, rng = iter(range(10_000)), random.Random(draws)
     for i, (plen, new, n) in enumerate(reqs):
         r = Request(str(i), prompt(i, plen), SamplingParams(max_new_tokens=new, n=n))
@@ -158,8 +159,8 @@ def fork_simulation(cache, reqs, max_num_seqs, budget, draws, strict,
             (slot,) = cache.slots(s.seq_id, p, 1)
             if strict:
                 assert cache.pool.ref[slot // cache.block_size] == 1, "a shared block is written"
-            cache.k[0, slot, 0, 0] = history.setdefault(tuple(s.tokens[:p + 1]), len(history))
-        cache.plan_step([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
+            storage.k[0, slot, 0, 0] = history.setdefault(tuple(s.tokens[:p + 1]), len(history))
+        storage.plan_step([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
         for s in plan.decode:
             s.num_cached += 1
         for c in plan.prefill:
@@ -174,9 +175,34 @@ def fork_simulation(cache, reqs, max_num_seqs, budget, draws, strict,
             if s.num_output >= s.request.params.max_new_tokens or rng.random() < 0.05:
                 sched.finish(s)
                 finished += 1
-        check_fork_invariants(cache, sched, history)
+        check_fork_invariants(cache, storage, sched, history)
     assert finished == sum(n for _, _, n in reqs)
     assert cache.pool.num_active == 0 and not cache.pool.fork_refs
+
+
+def test_the_manager_records_a_copy_on_write_and_the_storage_applies_it_before_the_step():
+    """Copy on write is split as vLLM splits it: the block manager decides and records (src, dst,
+    positions) while the scheduler grows a fork; the storage copies the K/V when it plans the
+    step, before any of the step's tokens are written; the simulator, holding no K/V, drops it."""
+    cache = BlockManager(CFG, 8, 4, torch.float32)
+    storage = KVStorage(cache, "cpu")
+    assert cache.try_admit(0, list(range(6))) == 0
+    storage.plan_step([], [(0, 0, 6)])  # the parent stores 6 positions: a full block and 2 more
+    for pool in (storage.k, storage.v):
+        pool.copy_(torch.randn_like(pool))
+    cache.fork(0, 1)
+    shared = cache.tables[1][1]
+    assert cache.needs_copy(1, 7) and not cache.copies
+    cache.grow(1, 7)  # the child's next token goes into the shared, partly filled block
+    new = cache.tables[1][1]
+    assert new != shared and cache.copies == [(shared, new, 2)] and cache.cow_copies == 1
+    assert not cache.needs_copy(0, 7)  # the parent now holds its block alone and writes in place
+    before = storage.k[:, new * 4:new * 4 + 2].clone()
+    assert not torch.equal(before, storage.k[:, shared * 4:shared * 4 + 2])  # recorded, not applied
+    storage.plan_step([1], [])
+    for pool in (storage.k, storage.v):
+        assert torch.equal(pool[:, new * 4:new * 4 + 2], pool[:, shared * 4:shared * 4 + 2])
+    assert cache.take_copies() == [] and cache.lens[1] == 7
 
 
 @settings(max_examples=50, deadline=None)
@@ -187,7 +213,7 @@ def test_shared_blocks_are_never_written(block_size, extra_blocks, prefix_cachin
                                          budget, draws):
     # Every group fits alone: its prompt plus one block per fork, and each fork's whole length.
     need = max(max(-(-(p + 1) // block_size) + n - 1, -(-(p + m) // block_size)) for p, m, n in reqs)
-    cache = PagedKVCache(CFG, need + extra_blocks, block_size, torch.float32, "cpu", prefix_caching=prefix_caching)
+    cache = BlockManager(CFG, need + extra_blocks, block_size, torch.float32, prefix_caching=prefix_caching)
     # With prefix caching, requests admitted in the same step may share a block the first of
     # them writes in that step (same tokens, written before anyone reads): only forks are strict.
     fork_simulation(cache, reqs, max_num_seqs, budget, draws, strict=not prefix_caching)
@@ -197,7 +223,7 @@ def test_shared_blocks_are_never_written(block_size, extra_blocks, prefix_cachin
 @given(n_slots=st.integers(4, 8), reqs=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 10), st.integers(1, 4)),
                                                  min_size=1, max_size=5), draws=st.integers(0, 2**16))
 def test_slot_forks_copy_the_prompt_into_their_own_slot(n_slots, reqs, draws):
-    fork_simulation(SlotKVCache(CFG, n_slots, 32, torch.float32, "cpu"), reqs, 8, 64, draws, strict=True)
+    fork_simulation(SlotBlockManager(CFG, n_slots, 32, torch.float32), reqs, 8, 64, draws, strict=True)
 
 
 # ---- log-probabilities against transformers ----------------------------------------------------
@@ -227,7 +253,7 @@ def test_logprobs_match_transformers(tiny_model, hf_llama, temperature):
     reqs = n_requests(2, count=3, seed=4, temperature=temperature, logprobs=5)
     for r in reqs:
         r.params.seed = 11
-    outs, _ = run(tiny_model, PagedKVCache(tiny_model.cfg, 128, 4, torch.float32, "cpu"), reqs)
+    outs, _ = run(tiny_model, BlockManager(tiny_model.cfg, 128, 4, torch.float32), reqs)
     for r, o in zip(reqs, sorted(outs, key=lambda o: o.index)):
         p = r.prompt_token_ids
         for c in o.completions:
@@ -243,7 +269,7 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_prefix_hits(tiny_
     scored = Request("s", shared + [rng.randrange(3, 320) for _ in range(9)],
                      SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=3, logprobs=True, n=2), index=1)
     after = Request("hit", shared + [9, 9, 9, 9], SamplingParams(max_new_tokens=2), index=2)
-    cache = PagedKVCache(tiny_model.cfg, 64, 4, torch.float32, "cpu", prefix_caching=True)
+    cache = BlockManager(tiny_model.cfg, 64, 4, torch.float32, prefix_caching=True)
     eng = LLMEngine(tiny_model, cache, None, max_prefill_tokens=5)  # chunks of 5 rows
     outs = {o.id: o for o in eng.run([first, scored, after])}
     p = scored.prompt_token_ids

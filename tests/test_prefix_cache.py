@@ -10,8 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import tinyllm_cli.cache.kv as kv
-from tinyllm_cli.cache.kv import PagedKVCache
+import tinyllm_cli.cache.blocks as blocks_mod
+from tinyllm_cli.cache.blocks import BlockManager
+from tinyllm_cli.cache.storage import KVStorage
 from tinyllm_cli.engine.engine import LLMEngine
 from tinyllm_cli.engine.request import Request, SamplingParams, Sequence, Status
 from tinyllm_cli.engine.scheduler import Scheduler
@@ -45,7 +46,7 @@ def shared(tiny_model):
 
 
 def run(model, reqs, *, caching, block_size=4, num_blocks=256, **kw):
-    cache = PagedKVCache(model.cfg, num_blocks, block_size, torch.float32, "cpu", prefix_caching=caching)
+    cache = BlockManager(model.cfg, num_blocks, block_size, torch.float32, prefix_caching=caching)
     eng = LLMEngine(model, cache, None, **kw)
     return sorted(eng.run(reqs), key=lambda o: o.index), eng
 
@@ -103,7 +104,7 @@ def test_forced_key_collisions_keep_outputs_exact(tiny_model, mode):
     reqs = [Request(str(i), p, SamplingParams(max_new_tokens=5, ignore_eos=True), index=i)
             for i, p in enumerate(prompts)]
     refs = [reference_greedy(tiny_model, p, 5) for p in prompts]
-    with mock.patch.object(kv, "block_key", COLLIDING[mode]):
+    with mock.patch.object(blocks_mod, "block_key", COLLIDING[mode]):
         outs, _ = run(tiny_model, reqs, caching=True, max_num_seqs=1)
     assert [o.token_ids for o in outs] == refs
 
@@ -123,8 +124,8 @@ def test_refcounts_and_no_shared_writes(block_size, extra, prompts, max_num_seqs
     stems = [[(7 * k + j) % 50 for j in range(16)] for k in range(4)]
     reqs = [stems[k][:p] + [1] * 0 + list(range(1, 1 + tail)) for k, p, tail in prompts]
     longest = max(len(r) + 6 for r in reqs)
-    cache = PagedKVCache(CFG, -(-longest // block_size) + extra + 1, block_size, torch.float32, "cpu",
-                         prefix_caching=True)
+    cache = BlockManager(CFG, -(-longest // block_size) + extra + 1, block_size, torch.float32, prefix_caching=True)
+    storage = KVStorage(cache, "cpu")
     sched = Scheduler(cache, max_num_seqs, budget)
     for i, toks in enumerate(reqs):
         r = Request(str(i), toks, SamplingParams(max_new_tokens=6))
@@ -137,7 +138,7 @@ def test_refcounts_and_no_shared_writes(block_size, extra, prompts, max_num_seqs
         plan = sched.schedule()
         writes = [(s, s.num_tokens - 1) for s in plan.decode]
         writes += [(c.seq, p) for c in plan.prefill for p in range(c.start, c.start + c.n)]
-        attn = cache.plan_step([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
+        attn = storage.plan_step([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
         assert attn.slot_mapping.tolist() == [cache.slots(s.seq_id, p, 1)[0] for s, p in writes]
         for s, p in writes:
             assert p >= s.num_cached  # nobody rewrites what it (or a block it shares) already holds

@@ -442,7 +442,7 @@ def test_speculative_greedy_on_the_4bit_kernel_equals_plain_decoding(q4_gguf, in
     tokens of plain decoding, and the pool is empty afterwards."""
     if not quant.q4_usable(torch.device("cpu")):
         pytest.skip("tinyllm's 4-bit kernel runs where its build has an AVX2 or AVX-512 path")
-    from tinyllm_cli.cache.kv import PagedKVCache
+    from tinyllm_cli.cache.blocks import BlockManager
     from tinyllm_cli.engine.engine import LLMEngine
     from tinyllm_cli.engine.speculative import NgramDrafter, Speculation
     ck = load_checkpoint(str(q4_gguf), progress=False, quant="gguf")
@@ -452,7 +452,7 @@ def test_speculative_greedy_on_the_4bit_kernel_equals_plain_decoding(q4_gguf, in
     p = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
     def go(spec):
-        cache = PagedKVCache(model.cfg, 128, 4, torch.bfloat16, "cpu", prefix_caching=True)
+        cache = BlockManager(model.cfg, 128, 4, torch.bfloat16, prefix_caching=True)
         eng = LLMEngine(model, cache, None, speculation=spec)
         outs = sorted(eng.run([Request(str(i), pr, p, index=i) for i, pr in enumerate(prompts)]), key=lambda o: o.index)
         assert not cache.tables and cache.pool.num_active == 0

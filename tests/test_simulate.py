@@ -69,7 +69,7 @@ def test_same_decisions_as_real_engine(llama_dir, cache, blocks):
         cost = tiny_cost(llm.runtime.model_cfg)
         sim = Simulation(llm.config, cost, workers=1, skip_ahead=False)
         simp = Plans()
-        sim.engines[0].add_observer(simp)
+        sim.engines[0].engine.add_observer(simp)
         souts = {o.id: o for o in sim.run(items)}
         assert real.steps == simp.steps
         assert {k: (len(o.token_ids), o.preemptions, o.finish_reason) for k, o in outs.items()} == \
@@ -79,7 +79,7 @@ def test_same_decisions_as_real_engine(llama_dir, cache, blocks):
                   "prefix_cache_hits", "mean_block_utilization", "output_tokens"):
             assert a[k] == b[k], k
         ta = [(r["blocks_used"], r["running"], r["waiting"]) for r in llm.engine.stats.timeline()]
-        tb = [(r["blocks_used"], r["running"], r["waiting"]) for r in sim.engines[0].stats.timeline()]
+        tb = [(r["blocks_used"], r["running"], r["waiting"]) for r in sim.engines[0].engine.stats.timeline()]
         assert ta == tb
         if cache == "paged" and blocks == 24:
             assert a["preemptions"] > 0
@@ -105,7 +105,8 @@ def test_skip_ahead_equals_step_by_step(llama_dir, seed):
         sim = Simulation(cfg, cost, workers=1, skip_ahead=skip)
         outs = sorted(((o.id, o.ttft_s, o.latency_s, o.preemptions) for o in sim.run(items)))
         e = sim.engines[0]
-        runs.append((outs, e.stats.timeline(), sim.summary()["preemptions"], dict(e.cache.tables), e.skipped_steps))
+        runs.append((outs, e.engine.stats.timeline(), sim.summary()["preemptions"], dict(e.engine.cache.tables),
+                     e.skipped_steps))
     (o1, t1, p1, tb1, _), (o2, t2, p2, tb2, skipped) = runs
     assert skipped > 0  # the windows were taken, and changed nothing
     assert p1 == p2 and tb1 == tb2

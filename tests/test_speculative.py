@@ -15,9 +15,11 @@ import random
 import pytest
 import torch
 
-from tinyllm_cli.cache.kv import PagedKVCache, SlotKVCache
+from tinyllm_cli.cache.blocks import BlockManager, SlotBlockManager
+from tinyllm_cli.cache.storage import KVStorage
 from tinyllm_cli.engine.engine import LLMEngine
 from tinyllm_cli.engine.request import Request, SamplingParams
+from tinyllm_cli.engine.runner import ModelRunner
 from tinyllm_cli.engine.speculative import ModelDrafter, NgramDrafter, NgramIndex, Speculation, accepted_prefix
 from tinyllm_cli.errors import UsageError
 from tinyllm_cli.model.checkpoint import load_checkpoint
@@ -55,7 +57,7 @@ def copy(reqs):
 
 
 def paged(model, blocks=256, bs=4, prefix=True):
-    return PagedKVCache(model.cfg, blocks, bs, torch.float32, "cpu", prefix_caching=prefix)
+    return BlockManager(model.cfg, blocks, bs, torch.float32, prefix_caching=prefix)
 
 
 def ngram(k=4, lo=1, hi=3):
@@ -63,11 +65,12 @@ def ngram(k=4, lo=1, hi=3):
 
 
 def drafted(model, k=4, blocks=256):
-    return Speculation("draft", k, ModelDrafter(model, PagedKVCache(model.cfg, blocks, 4, torch.float32, "cpu")))
+    return Speculation("draft", k, ModelDrafter(model, BlockManager(model.cfg, blocks, 4, torch.float32)))
 
 
-def run(model, cache, reqs, spec=None, **kw):
-    eng = LLMEngine(model, cache, None, speculation=spec, **kw)
+def run(model, cache, reqs, spec=None, attention="auto", **kw):
+    runner = ModelRunner(model, cache, KVStorage(cache, model.device, attention=attention))
+    eng = LLMEngine(model, cache, None, speculation=spec, runner=runner, **kw)
     outs = sorted(eng.run(copy(reqs)), key=lambda o: o.index)
     return outs, eng
 
@@ -82,22 +85,23 @@ def pool_empty(cache):
 
 
 def cache_maker(model, kind: str, slots: int = 8):
-    """paged / slot with the default attention path (the CPU kernel here), paged-gather with
-    PyTorch's (the path on a GPU): verify chunks go through both."""
+    """(a maker of new block managers, the attention path): paged / slot with the default path
+    (the CPU kernel here), paged-gather with PyTorch's (the path on a GPU): verify chunks go
+    through both."""
     if kind == "slot":
-        return lambda: SlotKVCache(model.cfg, slots, 200, torch.float32, "cpu")
+        return (lambda: SlotBlockManager(model.cfg, slots, 200, torch.float32)), "auto"
     attention = "gather" if kind == "paged-gather" else "auto"
-    return lambda: PagedKVCache(model.cfg, 256, 4, torch.float32, "cpu", prefix_caching=True, attention=attention)
+    return (lambda: BlockManager(model.cfg, 256, 4, torch.float32, prefix_caching=True)), attention
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft-same", "draft-other"])
 @pytest.mark.parametrize("kind", ["paged", "slot", "paged-gather"])
 def test_greedy_output_equals_plain_decoding(tiny_model, draft_model, method, kind):
     reqs = grounded_requests()
-    make = cache_maker(tiny_model, kind)
-    plain, plain_eng = run(tiny_model, make(), reqs)
+    make, attention = cache_maker(tiny_model, kind)
+    plain, plain_eng = run(tiny_model, make(), reqs, attention=attention)
     spec = {"ngram": ngram(), "draft-same": drafted(tiny_model), "draft-other": drafted(draft_model)}[method]
-    outs, eng = run(tiny_model, make(), reqs, spec)
+    outs, eng = run(tiny_model, make(), reqs, spec, attention=attention)
     assert ids(outs) == ids(plain)
     st_ = eng.stats.summary()
     assert st_["spec_method"] == spec.method and st_["spec_verifications"] > 0
@@ -156,9 +160,9 @@ def test_n_groups_and_sampled_requests_are_unaffected(tiny_model, kind):
     reqs += grounded_requests(count=2, rng_seed=8, n=2, temperature=1.0, seed=3)
     for i, r in enumerate(reqs):
         r.index, r.id = i, str(i)
-    make = cache_maker(tiny_model, kind, slots=16)
-    plain, _ = run(tiny_model, make(), reqs)
-    outs, eng = run(tiny_model, make(), reqs, ngram())
+    make, attention = cache_maker(tiny_model, kind, slots=16)
+    plain, _ = run(tiny_model, make(), reqs, attention=attention)
+    outs, eng = run(tiny_model, make(), reqs, ngram(), attention=attention)
     assert ids(outs) == ids(plain)
     assert [o.logprobs for o in outs] == [o.logprobs for o in plain]
     assert eng.stats.spec_accepted_tokens > 0
@@ -322,7 +326,7 @@ def test_default_model_input_grounded_prompt_equals_plain_greedy(default_model, 
     req = [Request("0", prompt, SamplingParams(max_new_tokens=48, stop=["\n\n"]), index=0)]
 
     def go(spec):
-        cache = PagedKVCache(default_model.cfg, 64, 16, torch.float32, "cpu", prefix_caching=True)
+        cache = BlockManager(default_model.cfg, 64, 16, torch.float32, prefix_caching=True)
         eng = LLMEngine(default_model, cache, tok, eos_ids=tok.eos_ids, speculation=spec)
         return list(eng.run(copy(req)))[0], eng
 

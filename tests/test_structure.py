@@ -201,6 +201,24 @@ def test_the_load_generator_reaches_no_engine_code():
     assert bad == []
 
 
+# The block pool holds no tensors (DESIGN.md, fourth round): the K/V storage is the runner's. The
+# bookkeeping never reaches it, even indirectly; the scheduler, the engine loop and every module
+# of the simulator never import it (the engine reaches it only through its default runner).
+STORAGE = "tinyllm_cli.cache.storage"
+BOOKKEEPING = ("tinyllm_cli.cache.allocator", "tinyllm_cli.cache.blocks", "tinyllm_cli.cache.block_keys",
+               "tinyllm_cli.cache.snapshot")
+NO_STORAGE_IMPORT = ("tinyllm_cli.engine.scheduler", "tinyllm_cli.engine.engine", "tinyllm_cli.sim")
+
+
+def test_the_bookkeeping_and_the_simulator_never_import_the_storage():
+    g = graph()
+    assert STORAGE in g["tinyllm_cli.engine.runner"]  # the checker sees who does import it
+    assert sorted(m for m in BOOKKEEPING if STORAGE in reachable(g, m)) == []
+    users = [m for m in g if any(m == p or m.startswith(p + ".") for p in NO_STORAGE_IMPORT)]
+    assert "tinyllm_cli.sim.engine" in users and "tinyllm_cli.sim.run" in users
+    assert sorted(m for m in users if STORAGE in g[m]) == []
+
+
 def top_level_imports(path: Path) -> set[str]:
     """The first component of every absolute module a file imports, anywhere in it."""
     out = set()
@@ -230,9 +248,9 @@ def test_the_benchmark_workers_import_neither_package():
 
 
 def test_the_checker_sees_an_upward_import():
-    g = {"tinyllm_cli.cache.kv": {"tinyllm_cli.engine.request", "tinyllm_cli.model.llama"},
+    g = {"tinyllm_cli.cache.blocks": {"tinyllm_cli.engine.request", "tinyllm_cli.model.llama"},
          "tinyllm_cli.engine.request": set(), "tinyllm_cli.model.llama": set()}
-    assert room_violations(g, ROOMS) == [("tinyllm_cli.cache.kv", "tinyllm_cli.engine.request")]
+    assert room_violations(g, ROOMS) == [("tinyllm_cli.cache.blocks", "tinyllm_cli.engine.request")]
     assert room_graph(g)["cache"] == {"engine", "model"}
 
 

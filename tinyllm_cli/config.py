@@ -328,7 +328,7 @@ def validate(cfg: Config, origins: dict[str, str] | None = None) -> None:
                          f"not {c.attention!r}")
     if not (cfg.device in ("auto", "cpu", "cuda") or cfg.device.startswith("cuda:")):
         raise UsageError(f"device{at('device', '')} must be auto, cpu, cuda or cuda:N, not {cfg.device!r}")
-    from .cache.kv import CacheError, parse_bytes
+    from .cache.blocks import CacheError, parse_bytes
     try:
         if c.kv_memory != "auto":
             parse_bytes(c.kv_memory)

@@ -16,12 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache.kv import (CacheError, PagedKVCache, PoolMemory, SlotKVCache, available_memory, parse_bytes, prefix_salt,
-                       token_bytes)
+from .cache.block_keys import prefix_salt
+from .cache.blocks import BlockManager, CacheError, SlotBlockManager, parse_bytes, token_bytes
+from .cache.storage import KVStorage, PoolMemory, check_room
 from .config import Config, draft_quant
 from .engine.engine import LLMEngine
+from .engine.runner import ModelRunner
 from .engine.speculative import ModelDrafter, NgramDrafter, Speculation
 from .errors import TinyLLMError, UsageError
+from .machine import available_memory
 from .model.checkpoint import Checkpoint, load_checkpoint
 from .model.gemm import resolve_gemm
 from .model.llama import LlamaModel, ModelConfig, build_model
@@ -200,43 +203,77 @@ def kv_budget(cfg: Config, model_cfg: ModelConfig, dtype: torch.dtype, device: t
     return KVBudget(size, how)
 
 
-def make_cache(cfg: Config, rt: Runtime, tensors: bool = True) -> PagedKVCache:
-    """The run's KV cache; ``tensors=False`` builds its bookkeeping only (the simulator's)."""
+@dataclass
+class PoolSize:
+    """A KV pool's size, computed before anything is built: ``num_blocks`` blocks of
+    ``block_size`` tokens (a slot pool: slots of ``max_model_len``), and how it was chosen."""
+
+    kind: str
+    num_blocks: int
+    block_size: int
+    how: str
+
+
+def pool_size(cfg: Config, rt: Runtime, held: int = 0) -> PoolSize:
+    """The run's pool size: ``num_blocks`` as given, else as many blocks as the KV budget
+    (``kv_budget``, with ``held`` bytes of spare pools counted as available) holds."""
     c, mcfg = cfg.cache, rt.model_cfg
-    salt = prefix_salt(mcfg, rt.dtype, rt.describe())  # prefix-cache keys name the model, dtype, gemm, quant
-    max_len = min(c.max_model_len, mcfg.max_position_embeddings)
-    memory = rt.pool_memory if tensors else None
-    budget = kv_budget(cfg, mcfg, rt.dtype, rt.device, held=memory.held_bytes if memory else 0)
+    budget = kv_budget(cfg, mcfg, rt.dtype, rt.device, held=held)
     try:
         if c.kind == "slot":
-            cache = SlotKVCache.from_budget(mcfg, budget.bytes, max_len, rt.dtype, rt.device, attention=c.attention,
-                                            tensors=tensors, memory=memory)
-        elif c.num_blocks is not None:
-            cache = PagedKVCache(mcfg, c.num_blocks, c.block_size, rt.dtype, rt.device, prefix_caching=c.prefix_caching,
-                                 attention=c.attention, salt=salt, tensors=tensors, memory=memory)
-        else:
-            cache = PagedKVCache.from_budget(mcfg, budget.bytes, c.block_size, rt.dtype, rt.device,
-                                             prefix_caching=c.prefix_caching, attention=c.attention, salt=salt,
-                                             tensors=tensors, memory=memory)
+            max_len = min(c.max_model_len, mcfg.max_position_embeddings)
+            n = SlotBlockManager.blocks_in(mcfg, budget.bytes, max_len, rt.dtype)
+            return PoolSize("slot", n, max_len, budget.how)
+        if c.num_blocks is not None:
+            return PoolSize("paged", c.num_blocks, c.block_size, budget.how)
+        return PoolSize("paged", BlockManager.blocks_in(mcfg, budget.bytes, c.block_size, rt.dtype), c.block_size,
+                        budget.how)
     except CacheError as e:
         raise UsageError(str(e))
-    cache.sizing = budget.how
-    return cache
+
+
+def make_blocks(cfg: Config, rt: Runtime, size: PoolSize) -> BlockManager:
+    """The run's block manager (tables, free list, prefix cache; no tensors): all of the
+    simulator's cache, and the scheduler's half of a real run's."""
+    mcfg = rt.model_cfg
+    if size.kind == "slot":
+        blocks = SlotBlockManager(mcfg, size.num_blocks, size.block_size, rt.dtype)
+    else:
+        salt = prefix_salt(mcfg, rt.dtype, rt.describe())  # prefix-cache keys name the model, dtype, gemm, quant
+        blocks = BlockManager(mcfg, size.num_blocks, size.block_size, rt.dtype,
+                              prefix_caching=cfg.cache.prefix_caching, salt=salt)
+    blocks.sizing = size.how
+    return blocks
+
+
+def make_storage(cfg: Config, rt: Runtime, blocks: BlockManager) -> KVStorage:
+    """The K/V pools for ``blocks`` on ``rt``'s device: the memory of the last engine closed on
+    ``rt`` where it fits (``PoolMemory``: new contents, no page faults), else new memory that
+    must fit what is available."""
+    try:
+        return KVStorage(blocks, rt.device, attention=cfg.cache.attention, memory=rt.pool_memory)
+    except CacheError as e:
+        raise UsageError(str(e))
 
 
 def make_engine(cfg: Config, rt: Runtime) -> LLMEngine:
-    """A fresh in-process engine (new KV pool, empty scheduler) on ``rt``'s model; its run seed
-    is ``sampling.seed`` (0 when unset). The pool reuses the memory of the last engine closed on
-    ``rt`` where it fits (``PoolMemory``): new contents, no page faults."""
-    cache = make_cache(cfg, rt)
-    return LLMEngine(rt.model, cache, rt.tokenizer, max_num_seqs=cfg.scheduler.max_num_seqs,
+    """A fresh in-process engine (new block manager and K/V storage, empty scheduler) on ``rt``'s
+    model; its run seed is ``sampling.seed`` (0 when unset)."""
+    size = pool_size(cfg, rt, held=rt.pool_memory.held_bytes)
+    try:  # a pool that cannot exist is refused before its tables (a list entry per block) are built
+        check_room(rt.model_cfg, size.kind, size.num_blocks, size.block_size, rt.dtype, rt.device, rt.pool_memory)
+    except CacheError as e:
+        raise UsageError(str(e))
+    blocks = make_blocks(cfg, rt, size)
+    runner = ModelRunner(rt.model, blocks, make_storage(cfg, rt, blocks))
+    return LLMEngine(rt.model, blocks, rt.tokenizer, max_num_seqs=cfg.scheduler.max_num_seqs,
                      max_prefill_tokens=cfg.scheduler.max_prefill_tokens,
                      max_model_len=cfg.cache.max_model_len,
                      eos_ids=rt.tokenizer.eos_ids if rt.tokenizer else None, seed=cfg.sampling.run_seed,
-                     speculation=make_speculation(cfg, rt, cache))
+                     speculation=make_speculation(cfg, rt, blocks), runner=runner)
 
 
-def make_speculation(cfg: Config, rt: Runtime, cache: PagedKVCache) -> Speculation | None:
+def make_speculation(cfg: Config, rt: Runtime, cache: BlockManager) -> Speculation | None:
     """The engine's drafter, or None when ``speculative.method`` is none (the plain step)."""
     sp = cfg.speculative
     if sp.method == "none":
@@ -249,11 +286,11 @@ def make_speculation(cfg: Config, rt: Runtime, cache: PagedKVCache) -> Speculati
     tokens = cache.num_blocks * cache.block_size
     block = cache.block_size if cache.kind == "paged" else 16
     try:
-        dcache = PagedKVCache(draft.cfg, max(1, tokens // block), block, where.dtype, rt.device,
-                              attention=cfg.cache.attention)
+        dcache = BlockManager(draft.cfg, max(1, tokens // block), block, where.dtype)
+        dstorage = KVStorage(dcache, rt.device, attention=cfg.cache.attention)
     except CacheError as e:
         raise UsageError(f"the draft model's KV cache cannot be built: {e}")
-    return Speculation("draft", sp.num_tokens, ModelDrafter(draft, dcache))
+    return Speculation("draft", sp.num_tokens, ModelDrafter(draft, dcache, dstorage))
 
 
 def load_draft(spec: str, rt: Runtime, quant: str, where: Placement) -> LlamaModel:

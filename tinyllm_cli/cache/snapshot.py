@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kv import CacheUsage
+from .blocks import CacheUsage
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 One step = schedule -> the runner (``runner.py``, the one room that calls the model) packs decode
 rows and prefill chunks into one flat batch, runs one forward (logits only for rows that sample)
 and samples -> append, check stops, release finished sequences, record stats. The engine loop
-holds no tensors and calls the runner through its ``Runner`` interface.
+holds no tensors: its scheduler talks to the block manager (``cache.blocks``), and it calls the
+runner, which owns the K/V storage, through its ``Runner`` interface.
 
 Invariants:
 - Outputs are handed back the step a sequence finishes (streaming), never held to the end.
@@ -45,7 +46,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..cache.attention import sdpa_scope
-from ..cache.kv import PagedKVCache
+from ..cache.blocks import BlockManager
 from ..model.llama import LlamaModel
 from ..model.tokenizer import Tokenizer
 from . import constraints
@@ -60,13 +61,14 @@ from .stats import RunStats, StepRecord
 class LLMEngine(Engine):
     """The in-process engine: one model, one KV pool, one scheduler (see ``contract``)."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, tokenizer: Tokenizer | None = None, *,
+    def __init__(self, model: LlamaModel, cache: BlockManager, tokenizer: Tokenizer | None = None, *,
                  max_num_seqs: int = 64, max_prefill_tokens: int = 2048, max_model_len: int | None = None,
                  eos_ids: Iterable[int] | None = None, seed: int = 0, speculation: Speculation | None = None,
                  runner: Runner | None = None, clock: Callable[[], float] = time.perf_counter):
-        """``runner``: what computes the steps (default: a ``ModelRunner`` on ``model`` and
-        ``cache``). ``clock``: every timestamp the engine and its stats take (wall time; the
-        simulator passes its virtual clock)."""
+        """``cache``: the block manager the scheduler admits, grows and preempts in.
+        ``runner``: what computes the steps (default: a ``ModelRunner`` on ``model`` with new
+        K/V storage for ``cache``). ``clock``: every timestamp the engine and its stats take
+        (wall time; the simulator passes its virtual clock)."""
         self.model, self.cache, self.tokenizer = model, cache, tokenizer
         self.clock = clock
         self.runner: Runner = runner if runner is not None else ModelRunner(model, cache)
@@ -208,10 +210,9 @@ class LLMEngine(Engine):
         return out
 
     def close(self) -> None:
-        """Stop the grammar-mask threads and hand the KV pools to the next engine (the cache's
-        ``release_pools``): a closed engine cannot step again."""
+        """Close the runner (its grammar-mask threads stop and its K/V pools go to the next
+        engine): a closed engine cannot step again."""
         self.runner.close()
-        self.cache.release_pools()
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
@@ -223,7 +224,7 @@ class LLMEngine(Engine):
         """A new run's figures; the pool (and the prefix cache in it) stays as it is."""
         c = self.cache
         self.stats = RunStats(c.kind, c.block_size, c.num_blocks, c.kv_bytes, self.scheduler.max_num_seqs, cache=c,
-                              start=self.clock(), clock=self.clock,
+                              attention=self.runner.attention, start=self.clock(), clock=self.clock,
                               spec_method=self.speculation.method if self.speculation else "none")
 
     def add_observer(self, observer) -> None:
@@ -242,6 +243,13 @@ class LLMEngine(Engine):
     def step_index(self) -> int:
         """Steps taken so far (the index the next step's record gets)."""
         return self._step
+
+    def record_step(self, record: StepRecord) -> None:
+        """Count one step: its record joins the stats and the step index moves on. ``step``
+        records its own; a caller that advances steps itself (the simulator's skip-ahead)
+        records each one here."""
+        self.stats.record_step(record)
+        self._step += 1
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -474,7 +482,7 @@ class LLMEngine(Engine):
         if n_pre:
             self.stats.preemption_steps.append(self._step)
         self.stats.forward_s += forward_s
-        self.stats.record_step(StepRecord(
+        self.record_step(StepRecord(
             step=self._step, t=round(self.clock() - self.stats.start, 6), running=running,
             waiting=len(self.scheduler.waiting), blocks_used=u.blocks_used, blocks_free=u.blocks_free,
             tokens_stored=u.tokens_stored, slots_allocated=u.slots_allocated,
@@ -483,7 +491,6 @@ class LLMEngine(Engine):
             forward_s=round(forward_s, 6), shared_refs=u.shared_refs, cached_free=u.blocks_cached_free,
             shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs,
             **(work or {})))
-        self._step += 1
 
 
 def plan_work(plan: Plan) -> dict:

@@ -4,14 +4,16 @@ into one flat batch, runs one forward, applies grammar masks, samples, gathers t
 log-probabilities asked for and the verify rows' argmax, and hands back a ``RunnerOutput``. The
 engine loop (``engine.py``: admit, schedule, append, stop, outputs, stats) calls it through the
 ``Runner`` interface and knows nothing of tensors; the simulator plugs in a cost runner instead
-(``sim/engine.py``).
+(``sim/engine.py``). The runner owns the step's K/V storage (``cache.storage.KVStorage``): the
+scheduler decides in the block manager, the runner stores into the pools the manager points at.
 
 Invariants:
 - ``RunnerOutput.samplers`` is the plan's sampling rows in order: decode rows, then per prefill
   chunk that completes its prompt the sequence and its pending forks (``samplers_of``);
   ``tokens`` and ``logprobs`` line up with it, ``verified`` with ``plan.verify``.
-- The cache stores every token the step computes (its K/V) during ``run``; the runner does not
-  move sequences on (``num_cached``): the engine does, after ``run``.
+- The storage stores every token the step computes (its K/V) during ``run``, after applying the
+  copies on write the scheduler's growth recorded; the runner does not move sequences on
+  (``num_cached``): the engine does, after ``run``.
 - One host sync per step (the sampled ids and every log-probability asked for, in one readback).
 - A step whose every row is greedy with nothing else read from its logits asks the model for the
   argmax alone (``forward(greedy=True)``): the same tokens, without logits.
@@ -26,6 +28,8 @@ from typing import Protocol
 
 import torch
 
+from ..cache.blocks import BlockManager
+from ..cache.storage import KVStorage
 from ..model.llama import LlamaModel
 from ..transfer import to_device
 from . import constraints, sampler
@@ -69,7 +73,10 @@ class RunnerOutput:
 
 
 class Runner(Protocol):
-    """What the engine loop needs of whatever computes its steps."""
+    """What the engine loop needs of whatever computes its steps. ``attention``: the path its
+    attention reads K/V by ('kernel', 'gather'; None when nothing is computed), for the stats."""
+
+    attention: str | None
 
     def run(self, plan: Plan, stats: RunStats) -> RunnerOutput: ...
 
@@ -94,10 +101,15 @@ def scored_span(s: Sequence, start: int, n: int) -> tuple[int, int]:
 
 
 class ModelRunner:
-    """Runs steps on a model and its KV cache."""
+    """Runs steps on a model over the K/V ``storage`` of the block manager ``blocks`` (default:
+    new storage for ``blocks`` on the model's device, attention 'auto')."""
 
-    def __init__(self, model: LlamaModel, cache):
-        self.model, self.cache = model, cache
+    def __init__(self, model: LlamaModel, blocks: BlockManager, storage: KVStorage | None = None):
+        if storage is not None and storage.blocks is not blocks:
+            raise ValueError("the K/V storage given belongs to another block manager")
+        self.model = model
+        self.storage = storage if storage is not None else KVStorage(blocks, model.device)
+        self.attention = self.storage.attention
         self._mask_pool = None  # a thread that fills grammar masks during the forward pass
         # Fill grammar masks on a thread during the forward pass only where the forward leaves the
         # CPU idle (a GPU): on the CPU the thread competes with the forward's own threads
@@ -105,12 +117,14 @@ class ModelRunner:
         self.overlap_masks = model.device.type != "cpu"
 
     def close(self) -> None:
+        """Stop the grammar-mask thread and hand the K/V pools on (``KVStorage.release_pools``)."""
         if self._mask_pool is not None:
             self._mask_pool.shutdown(wait=False)
             self._mask_pool = None
+        self.storage.release_pools()
 
     def run(self, plan: Plan, stats: RunStats) -> RunnerOutput:
-        """The step's computation: pack, forward, sample; the cache stores the step's tokens.
+        """The step's computation: pack, forward, sample; the storage stores the step's tokens.
         Phase times and grammar figures go to ``stats``."""
         clock = stats.phases
         t1 = time.perf_counter()
@@ -169,7 +183,7 @@ class ModelRunner:
             chunks.append((s.seq_id, start, n))
             logit_rows += range(row, row + n)
             row += n
-        attn = self.cache.plan_step([s.seq_id for s in plan.decode], chunks)
+        attn = self.storage.plan_step([s.seq_id for s in plan.decode], chunks)
         dev = self.model.device
         return StepBatch(samplers, to_device(ids, dev), to_device(pos, dev), to_device(logit_rows, dev), attn, scoring)
 

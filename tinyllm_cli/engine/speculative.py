@@ -11,7 +11,7 @@ forward row each. Two drafters:
   recent earlier occurrence are the draft. Input-grounded outputs (summaries, rewrites,
   extraction, code edits) copy long runs of their prompt, so it pays there. No second model.
 - ``ModelDrafter``: a small model with the target's tokenizer drafts greedily, k steps, batched
-  over the step's speculating sequences, on its own paged cache.
+  over the step's speculating sequences, on its own paged block manager and K/V storage.
 
 Invariants:
 - Greedy output is the output of plain decoding: every emitted token is the target's argmax
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.kv import PagedKVCache
+from ..cache.blocks import BlockManager
+from ..cache.storage import KVStorage
 from ..model.llama import LlamaModel
 from ..transfer import to_device
 from .request import Sequence, Status
@@ -107,15 +108,17 @@ class NgramDrafter:
 # ---- draft model ------------------------------------------------------------------------------
 
 class ModelDrafter:
-    """Greedy drafts from ``model`` (the target's vocabulary) on its own ``cache``.
+    """Greedy drafts from ``model`` (the target's vocabulary) on its own ``cache`` (a block
+    manager) and its K/V ``storage`` (default: new storage for ``cache`` on the model's device).
 
     One ``propose`` = one forward that catches every sequence up on its accepted tokens and
     drafts its first token, then one decode forward per further draft token for the sequences
     that still want more (sorted by cap, so they are a prefix of the batch). Draft ids stay on
     the device between steps; one readback at the end."""
 
-    def __init__(self, model: LlamaModel, cache: PagedKVCache):
+    def __init__(self, model: LlamaModel, cache: BlockManager, storage: KVStorage | None = None):
         self.model, self.cache = model, cache
+        self.storage = storage if storage is not None else KVStorage(cache, model.device)
         self.seqs: dict[int, Sequence] = {}  # sequences with K/V in the draft cache
 
     def propose(self, seqs: list[Sequence], caps: list[int]) -> list[list[int]]:
@@ -145,14 +148,14 @@ class ModelDrafter:
             pos += range(start, n)
             rows.append(len(ids) - 1)
             chunks.append((s.seq_id, start, n - start))
-        attn = cache.plan_step([], chunks)
+        attn = self.storage.plan_step([], chunks)
         tok = self.model(to_device(ids, dev), to_device(pos, dev), attn, to_device(rows, dev), greedy=True)
         steps = [tok]
         for j in range(1, caps[0]):
             m = sum(c > j for c in caps)
             sids = [s.seq_id for s in seqs[:m]]
             pos = [s.num_tokens + j - 1 for s in seqs[:m]]
-            attn = cache.plan_step(sids, [])
+            attn = self.storage.plan_step(sids, [])
             tok = self.model(tok[:m], to_device(pos, dev), attn, greedy=True)
             steps.append(tok)
         return steps

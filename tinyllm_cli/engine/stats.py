@@ -255,7 +255,8 @@ class RunStats:
     num_blocks: int
     kv_bytes: int
     max_num_seqs: int
-    cache: object = None  # read for prefix-cache counters at summary time
+    cache: object = None  # the block manager, read for prefix-cache counters at summary time
+    attention: str | None = None  # the path attention read K/V by ('kernel', 'gather'; None: simulated)
     history: Timeline = field(default_factory=Timeline)
     totals: StepTotals = field(default_factory=StepTotals)
     start: float = field(default_factory=time.perf_counter)
@@ -323,7 +324,7 @@ class RunStats:
             "output_tokens_per_s": round(self.output_tokens / el, 2),
             "total_tokens_per_s": round((self.prompt_tokens + self.output_tokens) / el, 2),
             "cache_kind": self.cache_kind, "block_size": self.block_size, "num_blocks": self.num_blocks,
-            "attention": getattr(self.cache, "attention", None),
+            "attention": self.attention,
             "kv_sizing": getattr(self.cache, "sizing", None),
             "kv_bytes": self.kv_bytes, "max_num_seqs": self.max_num_seqs,
             "steps": t.steps,

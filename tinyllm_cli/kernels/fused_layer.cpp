@@ -92,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   const int64_t t = x.size(0), q_size = n_heads * head_dim, kv_size = n_kv * head_dim;
   auto lin = [&](int64_t i, const at::Tensor& in) { return run_linear(kinds[i], in, weights[i], aux.get(i), biases.get(i)); };
   // The kernels below are called directly, not through the dispatcher; the scopes name them for
-  // torch.profiler (bench --profile) as if they had been (free while no profiler runs).
+  // torch.profiler (bench --torch-profile) as if they had been (free while no profiler runs).
   auto norm = [&](at::Tensor& stream, const std::optional<at::Tensor>& res, const at::Tensor& w) {
     RECORD_FUNCTION("tinyllm::add_rms_norm_", std::vector<c10::IValue>());
     return add_rms_norm_(stream, res, w, eps);

@@ -1,14 +1,13 @@
 """Greedy tokens from the output matrix: the argmax of each row's logits, and a faster exact way to
 it for float32 models on CPUs with bfloat16 dot products.
 
-Why: the output matrix (vocabulary x hidden) is the largest matmul of a small model's decode step:
-21% of the 135M model's weight bytes, 113 MB in float32, read by every step. A greedy row needs
-only the index of its largest logit. ``GreedyScreen`` keeps a bfloat16 copy of the matrix and
-each vocabulary row's norm; ``kernels.panel_argmax`` computes the row's logits from the copy
-(half the bytes, half the FMA time on vdpbf16ps), bounds how far each can be from the float32
-logit, and recomputes in float32 only the few tokens that could still be the maximum (see its
-comment in ``kernels/argmax.cpp`` for the bound). On 2 Zen 4 cores, the 135M shape's head with its
-argmax: 4.7 -> 2.4 ms at 1 row, 5.3 -> 3.4 ms at 16, 9.6 -> 5.9 ms at 32.
+Why: the output matrix (vocabulary x hidden) is the largest matmul of a small model's decode step
+(a fifth of the default model's weight bytes), read by every step. A greedy row needs only the
+index of its largest logit. ``GreedyScreen`` keeps a bfloat16 copy of the matrix and each
+vocabulary row's norm; ``kernels.panel_argmax`` computes the row's logits from the copy (half the
+bytes, half the FMA time on vdpbf16ps), bounds how far each can be from the float32 logit, and
+recomputes in float32 only the few tokens that could still be the maximum (see its comment in
+``kernels/argmax.cpp`` for the bound). What it saves is in docs/performance.md.
 
 Invariants:
 - ``head_argmax(model, h)`` is ``argmax(model.lm_head(h).float())`` for every head, screened or
@@ -21,7 +20,7 @@ Invariants:
 - Memory: the bfloat16 copy (2 bytes a weight) and one float32 norm per vocabulary row; the
   float32 rows the candidates are recomputed from are the head's unpacked weight, which a tied
   head shares with the embedding table (nothing more) and an untied one keeps beside its packed
-  panels (4 bytes a weight more). Building it adds ~0.2 s to the default model's load.
+  panels (4 bytes a weight more). It is built once, when the model loads.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from .gemm import PanelLinear
 def argmax(logits: Tensor) -> Tensor:
     """``logits.argmax(-1)`` of [B, V] logits, the same indices (the first maximum; a NaN is the
     maximum). Float32 logits on the CPU take tinyllm's vectorized kernel: torch's argmax reads
-    ~2.4 floats a nanosecond there, 0.66 ms of a 32-row decode step's ~30 at a 49k vocabulary."""
+    them markedly slower there, and a whole vocabulary per row is a visible part of a decode step."""
     if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.stride(-1) == 1 and logits.shape[-1] > 0 and native.load()):
         return native.argmax(logits)
@@ -55,7 +54,7 @@ class GreedyScreen:
         self.norms = norms
 
 
-_NORM_ROWS = 4096  # rows widened to float64 at a time: a whole 1.5B-class head would be 1.9 GB
+_NORM_ROWS = 4096  # rows widened to float64 at a time, so a large head never needs a float64 copy of itself
 
 
 def row_norms(w: Tensor) -> Tensor:

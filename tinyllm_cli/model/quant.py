@@ -1,8 +1,8 @@
 """Weights kept quantized (``quant: gguf``): GGUF 4-bit blocks run through a 4-bit matmul.
 
-Why: one decode step of one sequence streams every weight once. Dequantized to float32 the
-default model is 540 MB a token, in bfloat16 270 MB; kept in its file's 4-bit blocks it is about
-94 MB, and a single stream runs as fast as memory delivers those bytes (llama.cpp's approach).
+Why: one decode step of one sequence streams every weight once. Kept in its file's 4-bit blocks a
+model is about a third of its bfloat16 bytes (a sixth of float32), and a single stream runs as
+fast as memory delivers those bytes (llama.cpp's approach).
 
 What each form computes (the same math as the dequantized weights, up to stated rounding):
 - Q4_0 / Q4_1 / Q4_K blocks share a scale ``d`` (and a minimum ``m``) per group of 32 weights
@@ -13,7 +13,7 @@ What each form computes (the same math as the dequantized weights, up to stated 
   exact for Q4_0 / Q4_1), wherever the kernels are built with a vector path (``q4_isa()``):
   bfloat16 dot products summed in float32 where the CPU has AVX512-BF16 (AMD Zen 4 and later,
   Intel Cooper Lake / Sapphire Rapids and later), else each weight decoded to float32 and
-  float32 FMAs (AVX2, or AVX-512 without BF16: 2x torch's int4 matmul at 16-256 rows on Zen 3);
+  float32 FMAs (AVX2, or AVX-512 without BF16, where that still beats torch's int4 matmul);
   otherwise ``Int4Linear`` (torch's CPU int4 matmul, ``w = (q - 8)*s + z`` with
   ``s = d``, ``z = m + 8d`` stored in bfloat16, its one extra rounding).
 - Q8_0 (the default model's tied embedding / output matrix) has one scale per 32 int8 values;
@@ -25,28 +25,25 @@ What each form computes (the same math as the dequantized weights, up to stated 
 - ``quant_activations: int8`` (or ``auto``, wherever the kernel has an integer vector path:
   ``int8_activations``) has ``Q4Linear`` quantize each row of its input per group of 32, as
   llama.cpp's Q8_0 does (``d = max|x| / 127``), for integer dot products (``q4_q8_linear``: AVX2
-  vpmaddubsw, or AVX512-VNNI vpdpbusd): the dequantized weight times the dequantized row, about
-  1.3-1.75x the float32 path's speed on Zen 3 and 1.4-1.8x the bfloat16 dot path's on Zen 4 from
-  16 rows, at the accuracy cost of rounding each activation to 1/127 of its group's largest
-  (measured in performance.md).
+  vpmaddubsw, or AVX512-VNNI vpdpbusd): the dequantized weight times the dequantized row, faster
+  than both the float32 and the bfloat16 dot paths once a few rows share each weight read, at the
+  accuracy cost of rounding each activation to 1/127 of its group's largest (the figures are in
+  docs/performance.md).
   With int8 activations on AVX512-VNNI the Q8_0 output matrix quantizes its input the same way
-  (``int8_q8_linear``: the int8 weight against the Q8_0 codes, integer dot products, ~5x its
-  bfloat16-input kernel at 16-32 rows on Zen 4); elsewhere its input stays bfloat16.
+  (``int8_q8_linear``: the int8 weight against the Q8_0 codes, integer dot products, well ahead
+  of its bfloat16-input kernel); elsewhere its input stays bfloat16.
 - Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on AVX512-BF16 hosts:
   ``big_step``): with AMX, in either activation mode, ``Q4Linear`` unpacks its weight to bfloat16
   for that call (transient, never kept) and runs oneDNN's bfloat16 matmul; without AMX and with
   bfloat16 activations ``q4_wide_linear`` decodes one panel block at a time to bfloat16 in cache
   for tinyllm's AVX-512 bfloat16 tile (no whole-weight copy); with int8 activations the VNNI
   tile runs every step.
-  The 4-bit kernel's bf16 dot products win when few rows share each weight read (decoding); at
-  many rows of a 1536 x 8960 layer they reach ~174 GFLOP/s, oneDNN's bfloat16 matmul ~2,350
-  (AMX, Sapphire Rapids, measured) or ~430 (AVX512-BF16 without AMX, Zen 4: the figure of the
-  round-3 issue, not measured here). Unpacking such a layer takes ~58 ms (torch ops), so the
-  unpacked path wins from ~450 rows with AMX and, by that estimate, ~800 without: from
-  ``DEQUANT_ROWS`` = 1024 it wins on both (Sapphire Rapids, 1,460 rows: 78 ms against 233);
-  without AMX the wide tile now wins by more (above). Both round each weight to bfloat16 once more, so a prompt's
-  prefill may differ from the 4-bit kernel's by bfloat16 rounding (the configuration is not
-  token-exact anyway).
+  The 4-bit kernel's bf16 dot products win when few rows share each weight read (decoding); with
+  many rows a matmul is compute-bound, and a bfloat16 tile (oneDNN's on AMX, tinyllm's wide one
+  without) outruns them by more than unpacking the weight costs. ``DEQUANT_ROWS`` is set past the
+  row count where that holds on both kinds of host. Both round each weight to bfloat16 once more,
+  so a prompt's prefill may differ from the 4-bit kernel's by bfloat16 rounding (the
+  configuration is not token-exact anyway).
 
 Invariants: a ``QuantWeight`` is the only copy of its weight once the model is built (no float
 copy is kept); ``Q4Linear(x)`` and ``Int4Linear(x)`` equal ``F.linear(x, dequantize())`` up to
@@ -123,9 +120,8 @@ def is_quantized(t) -> bool:
 
 # ---- reading GGUF blocks -------------------------------------------------------------------------
 #
-# In torch, not numpy: the same bit operations and float32 products, but vectorized over both
-# threads; in numpy the 1.5b shape's Q4_1 file took 11.9 of its 13.8 s load in these functions
-# (2 Zen 4 cores).
+# In torch, not numpy: the same bit operations and float32 products, but vectorized over every
+# thread; single-threaded numpy made these functions most of a large file's load time.
 
 def as_torch(data: np.ndarray) -> Tensor:
     """``data`` (a GGUF tensor's bytes in the file's read-only mapping, or any array) as a torch
@@ -240,9 +236,9 @@ def q4_usable(device: torch.device) -> bool:
     return torch.device(device).type == "cpu" and native.load() and bool(torch.ops.tinyllm.q4_isa())
 
 
-# Rows from which a step is big (see the module docstring): past the break-even of unpacking
-# on AMX hosts (~450 rows); on AVX512-BF16-only ones the wide tile passes the VNNI tile from
-# ~128-256 rows and the bfloat16 dot tile from ~32, so a prompt of this size is clearly past both.
+# Rows from which a step is big (see the module docstring): past the break-even of unpacking on
+# AMX hosts, and past the row counts where the wide tile passes the VNNI and bfloat16 dot tiles
+# on AVX512-BF16-only ones, so a prompt of this size is clearly past both (docs/performance.md).
 DEQUANT_ROWS = 1024
 
 
@@ -251,14 +247,13 @@ def big_step(rows: int, int8: bool) -> str | None:
     ``DEQUANT_ROWS`` rows, where the kernel's path is the bfloat16 dot product (AVX512-BF16),
     'unpack' where oneDNN has AMX (the weight unpacked to bfloat16 for oneDNN's matmul; rows stay
     bfloat16 in either activation mode), else, with bfloat16 activations (``int8`` False), 'wide'
-    (``q4_wide_linear``: each panel decoded to bfloat16 in cache for the AVX-512 tile; Zen 4, the
-    default model's 4-bit layers at 1,460 rows: 410 GFLOP/s against the bfloat16 dot tile's 220).
-    None: the 4-bit tiles. That is fewer rows; the float32 path on AVX2 / AVX-512 without BF16,
-    which reaches the float32 matmul's rate at many rows where oneDNN has no bfloat16 matmul; and
-    int8 activations without AMX, where the VNNI tile outran the wide one at prompt sizes once
-    the quantizer was vectorized (Zen 4, in process: 1.17-1.22x at 512-1,460 rows of 135M and
-    1.5b-shape layers), so int8 activations mean int8 rows on every step there, as on CPUs
-    without AVX512-BF16 and in llama.cpp."""
+    (``q4_wide_linear``: each panel decoded to bfloat16 in cache for the AVX-512 tile, which
+    outruns the bfloat16 dot tile at prompt sizes). None: the 4-bit tiles. That is fewer rows;
+    the float32 path on AVX2 / AVX-512 without BF16, which reaches the float32 matmul's rate at
+    many rows where oneDNN has no bfloat16 matmul; and int8 activations without AMX, where the
+    VNNI tile (with its vectorized quantizer) outruns the wide one at prompt sizes, so int8
+    activations mean int8 rows on every step there, as on CPUs without AVX512-BF16 and in
+    llama.cpp."""
     if rows < DEQUANT_ROWS or not _bf16_dot():
         return None
     if has_amx():
@@ -292,8 +287,8 @@ def int8_activations(setting: str, device: torch.device | str) -> bool:
     """Whether the 4-bit matmuls quantize their input to int8 (``quant_activations``): 'int8'
     always, 'bfloat16' (the default) never, 'auto' wherever tinyllm's 4-bit kernel runs with an
     integer vector path (AVX2, or AVX512-VNNI: ``q4_q8_isa()``): integer dot products beat the
-    float32 FMAs of AVX2 hosts (~1.5x) and the bfloat16 dot products of AVX512-BF16 ones (~1.5x
-    from 16 rows on Zen 4), at the accuracy cost of rounding each activation. Raises
+    float32 FMAs of AVX2 hosts and the bfloat16 dot products of AVX512-BF16 ones once a few rows
+    share each weight read, at the accuracy cost of rounding each activation. Raises
     ValueError for 'int8' where tinyllm's kernel does not run (torch's int4 matmul takes bfloat16)."""
     usable = q4_usable(device)
     if setting == "int8" and not usable:

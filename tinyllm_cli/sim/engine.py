@@ -1,19 +1,22 @@
 """``SimEngine``: the real engine loop with the forward pass replaced by a step-cost model.
 
-It *is* an ``LLMEngine``: the same ``add_request`` checks, the same ``Scheduler``, the same paged
-or slot cache (built with ``tensors=False``: tables, lengths, free list and prefix cache, no K/V),
-the same ``step`` (failures, forks, observers, stop checks, outputs, ``RunStats``), on a virtual
-clock it passes in. Only the runner differs: a ``CostRunner`` instead of packing and running the
-model asks the cost model how long the step takes, advances the virtual clock by that much,
-stores the step's tokens in the cache's bookkeeping and "samples" a synthetic token per row. Requests are greedy with ``ignore_eos``, so
-a request finishes exactly at its ``max_new_tokens`` (its trace ``output_len``), as it would in a
-real run.
+It holds an ``LLMEngine`` built as a real run builds one, except for what the simulator swaps in
+through the engine's public seams: the block manager alone (``cache.blocks.BlockManager`` or its
+slot variant: tables, lengths, free list and prefix cache, no K/V storage), a ``CostRunner`` in
+place of the model runner, and a ``VirtualClock`` for every timestamp. So the same
+``add_request`` checks, ``Scheduler``, failures, forks, observers, stop checks, outputs and
+``RunStats`` run as in a real run. The cost runner asks the cost model how long the step takes,
+advances the virtual clock by that much, stores the step's tokens in the block manager and
+"samples" a synthetic token per row. Requests are greedy with ``ignore_eos``, so a request
+finishes exactly at its ``max_new_tokens`` (its trace ``output_len``), as it would in a real run.
 
 Skip-ahead (``skip_ahead=True``): when the next steps can only be decode steps of the same
 sequences (nothing prefilling, the head of the queue cannot be admitted, no arrival, no finish,
-and the free blocks cover every block the window will take), ``step`` advances k such steps at
-once: the same block allocations in the same order (so block ids agree), the same per-step
-records, the same virtual times; ``tests/test_simulate.py`` checks it against stepping one by one.
+no copy on write, and the free blocks cover every block the window will take), ``step``
+advances k such steps at once instead of calling the engine's ``step``: the same block
+allocations in the same order (so block ids agree), the same per-step records
+(``LLMEngine.record_step``), the same virtual times; ``tests/test_simulate.py`` checks it against
+stepping one by one.
 
 Synthetic tokens: output token p of sequence s is a function of (s, p) only, so a preempted
 sequence recomputes the same tokens (and hits its own cached blocks), and no two sequences'
@@ -26,17 +29,18 @@ import math
 
 import torch
 
+from ..cache.blocks import BlockManager
 from ..engine.engine import LLMEngine
+from ..engine.request import Request, RequestOutput, Status
 from ..engine.runner import RunnerOutput, samplers_of
 from ..engine.scheduler import Plan
-from ..engine.request import Status
 from ..engine.stats import RunStats, StepRecord
 from ..model.llama import ModelConfig
 from .cost import CostModel
 
 
 class _NoModel:
-    """What ``LLMEngine`` reads of a model: its config."""
+    """What ``LLMEngine`` reads of a model: its config and device."""
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -55,11 +59,14 @@ class VirtualClock:
 
 class CostRunner:
     """The runner of a simulated engine: a step costs what the cost model says, on the virtual
-    clock; the cache's bookkeeping stores the step's tokens; each sampler gets a synthetic token."""
+    clock; the block manager stores the step's tokens; each sampler gets a synthetic token."""
 
-    def __init__(self, cache, cost: CostModel, clock: VirtualClock, vocab_size: int, serving: bool = False):
-        self.cache, self.clock = cache, clock
-        self.cost = cost.for_cache(cache, serving)
+    attention = None  # no K/V is read
+
+    def __init__(self, blocks: BlockManager, cost: CostModel, clock: VirtualClock, vocab_size: int,
+                 serving: bool = False):
+        self.blocks, self.clock = blocks, clock
+        self.cost = cost.for_cache(blocks, serving)
         self._span = max(1, vocab_size - 8)
 
     def token(self, s) -> int:
@@ -69,7 +76,8 @@ class CostRunner:
     def run(self, plan: Plan, stats: RunStats) -> RunnerOutput:
         dt = self.cost.step_time(plan)
         samplers = samplers_of(plan)
-        self.cache.advance([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
+        self.blocks.take_copies()  # copies on write move K/V, and there is none to move
+        self.blocks.advance([s.seq_id for s in plan.decode], [(c.seq.seq_id, c.start, c.n) for c in plan.prefill])
         self.clock.now += dt
         stats.phases["forward"] += dt
         return RunnerOutput(samplers, [self.token(s) for s in samplers], [None] * len(samplers), dt,
@@ -79,17 +87,19 @@ class CostRunner:
         pass
 
 
-class SimEngine(LLMEngine):
-    def __init__(self, model_cfg: ModelConfig, cache, cost: CostModel, *, max_num_seqs: int = 64,
+class SimEngine:
+    """A simulated engine: ``engine`` (an ``LLMEngine`` on a cost runner and a virtual clock)
+    plus skip-ahead. ``add_request``, ``has_unfinished`` and ``num_waiting`` are the engine's;
+    ``step`` takes a skip-ahead window when one is certain, else the engine's own step."""
+
+    def __init__(self, model_cfg: ModelConfig, blocks: BlockManager, cost: CostModel, *, max_num_seqs: int = 64,
                  max_prefill_tokens: int = 2048, max_model_len: int | None = None, skip_ahead: bool = True,
                  serving: bool = False):
-        if getattr(cache, "has_tensors", False):
-            raise ValueError("the simulator's cache is bookkeeping only: build it with tensors=False")
-        clock = VirtualClock()
-        runner = CostRunner(cache, cost, clock, model_cfg.vocab_size, serving)
-        super().__init__(_NoModel(model_cfg), cache, None, max_num_seqs=max_num_seqs,
-                         max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, eos_ids=(), seed=0,
-                         runner=runner, clock=clock)
+        self.clock = VirtualClock()
+        runner = CostRunner(blocks, cost, self.clock, model_cfg.vocab_size, serving)
+        self.engine = LLMEngine(_NoModel(model_cfg), blocks, None, max_num_seqs=max_num_seqs,
+                                max_prefill_tokens=max_prefill_tokens, max_model_len=max_model_len, eos_ids=(),
+                                seed=0, runner=runner, clock=self.clock)
         self.cost = runner.cost
         self.skip_ahead = skip_ahead
         self.next_arrival = math.inf  # set by the caller: no window may start a step at or after it
@@ -105,31 +115,43 @@ class SimEngine(LLMEngine):
     def now(self, t: float) -> None:
         self.clock.now = t
 
+    def add_request(self, req: Request) -> RequestOutput | None:
+        return self.engine.add_request(req)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting()
+
     # ---- the step ----------------------------------------------------------------------------
 
-    def step(self):
-        if self.skip_ahead and not self.observers:
+    def step(self) -> list[RequestOutput]:
+        if self.skip_ahead and not self.engine.observers:
             k = self._window()
             if k > 0:
                 self._skip(k)
                 return []
-        return super().step()
+        return self.engine.step()
 
     # ---- skip-ahead --------------------------------------------------------------------------
 
     def _window(self) -> int:
         """How many of the coming steps are certainly plain decode steps of every running
-        sequence with no finish, admission, preemption or arrival among them (0: step normally)."""
-        sch, cache = self.scheduler, self.cache
+        sequence with no finish, admission, preemption, copy on write or arrival among them
+        (0: step normally)."""
+        eng = self.engine
+        sch, blocks = eng.scheduler, eng.cache
         run = sch.running
         if not run or self.now >= self.next_arrival:
             return 0
         k = math.inf
+        shared = blocks.shares_blocks  # checked per sequence only when a copy on write is possible
         for s in run:
-            if s.status is not Status.DECODE or s.pending or cache._shared_target(s.seq_id, s.num_tokens) is not None:
+            if s.status is not Status.DECODE or s.pending or (shared and blocks.needs_copy(s.seq_id, s.num_tokens)):
                 return 0
             p = s.request.params
-            k = min(k, p.max_new_tokens - s.num_output, self.max_model_len - s.num_tokens)
+            k = min(k, p.max_new_tokens - s.num_output, eng.max_model_len - s.num_tokens)
         k -= 1  # the step that finishes a sequence runs normally
         if k <= 1 or (sch.waiting and self._head_may_enter()):
             return 0
@@ -138,25 +160,24 @@ class SimEngine(LLMEngine):
     def _head_may_enter(self) -> bool:
         """Could the head of the queue be admitted in some step of a decode-only window? Free
         blocks only shrink in it and cached prefixes only get evicted, so: could it now?"""
-        sch, cache, s = self.scheduler, self.cache, self.scheduler.waiting[0]
+        sch = self.engine.scheduler
+        s = sch.waiting[0]
         forks = len(s.pending)
         if sch.num_seqs + 1 + forks > sch.max_num_seqs:
             return False
         scoring = s.group is not None and s.group.scoring_prompt
-        hits = cache._prefix_hits(s.tokens)[0] if not scoring else []
-        reclaimed = sum(cache.pool.ref[b] == 0 for b in hits)
-        return cache.blocks_for(s.num_tokens + 1) + forks - len(hits) <= cache.pool.num_free - reclaimed
+        return self.engine.cache.can_admit(s.tokens, forks, use_prefix=not scoring)
 
     def _allocations(self, k: int) -> list[tuple[int, int]]:
         """(step within the window, running index) of every block the next k decode steps take,
         in the order step-by-step scheduling takes them."""
-        cache, bs = self.cache, self.cache.block_size
-        if cache.kind == "slot":
+        blocks = self.engine.cache
+        if blocks.kind == "slot":
             return []
-        events = []
-        for i, s in enumerate(self.scheduler.running):
+        bs, events = blocks.block_size, []
+        for i, s in enumerate(self.engine.scheduler.running):
             # step j stores position num_tokens - 1 + j; a new block when it is past the table
-            j = len(cache.tables[s.seq_id]) * bs - s.num_tokens + 1
+            j = len(blocks.tables[s.seq_id]) * bs - s.num_tokens + 1
             while j < k:
                 events.append((j, i))
                 j += bs
@@ -165,7 +186,7 @@ class SimEngine(LLMEngine):
 
     def _fit_blocks(self, k: int) -> int:
         """Shrink k until the window's blocks fit the free pool (so nothing is preempted)."""
-        free = self.cache.pool.num_free
+        free = self.engine.cache.num_free
         events = self._allocations(k)
         if len(events) > free:
             k = events[free][0]  # the step that would need one block too many
@@ -187,52 +208,57 @@ class SimEngine(LLMEngine):
             out.append(total)
         return out
 
-    def _skip(self, k: int) -> None:
-        cache, sch, st = self.cache, self.scheduler, self.stats
-        run = list(sch.running)
-        B, bs = len(run), cache.block_size
-        u = cache.usage()
-        pool = cache.pool
-        fresh0 = pool.allocator.num_free
-        events = self._allocations(k)
-        ctx0 = sum(s.num_tokens for s in run)
+    def _times(self, run, k: int) -> list[float]:
+        """The virtual time at the end of each of the window's steps; fewer than k when a step
+        would start at or after the next arrival (the window ends there)."""
+        B, ctx0 = len(run), sum(s.num_tokens for s in run)
         blocks = self._block_counts(run, k)
-        # Step times first: the window ends early if a step would start at or after an arrival.
         times, t = [], self.now
         for j in range(k):
             if j and t >= self.next_arrival:
                 break
             t += self.cost.decode_time(B, ctx0 + B * j, blocks[j])
             times.append(t)
+        return times
+
+    def _skip(self, k: int) -> None:
+        eng = self.engine
+        blocks, st = eng.cache, eng.stats
+        run = list(eng.scheduler.running)
+        times = self._times(run, k)
         k = len(times)
         if k == 0:
             return
+        B, bs = len(run), blocks.block_size
+        u = blocks.usage()
+        fresh0 = blocks.allocator.num_free  # blocks never used; past them, allocation evicts cached ones
+        events = self._allocations(k)
+        ctx0 = sum(s.num_tokens for s in run)
         e = 0
-        waiting = len(sch.waiting)
+        waiting = eng.num_waiting()
         for j in range(k):
             while e < len(events) and events[e][0] == j:
                 s = run[events[e][1]]
-                cache.tables[s.seq_id].extend(pool.allocate(1))
+                blocks.grow(s.seq_id, s.num_tokens + j)  # the one block step j's position needs
                 e += 1
             dt = times[j] - (times[j - 1] if j else self.now)
             used = u.blocks_used + e
             evicted = max(0, e - fresh0)
-            st.record_step(StepRecord(
-                step=self._step, t=round(times[j] - st.start, 6), running=B, waiting=waiting,
+            st.forward_s += dt
+            eng.record_step(StepRecord(
+                step=eng.step_index, t=round(times[j] - st.start, 6), running=B, waiting=waiting,
                 blocks_used=used, blocks_free=u.blocks_free - e, tokens_stored=u.tokens_stored + B * (j + 1),
                 slots_allocated=used * bs, prefill_tokens=0, decode_tokens=B, preempted=0,
                 forward_s=round(dt, 6), shared_refs=u.shared_refs, cached_free=u.blocks_cached_free - evicted,
                 shared_blocks=u.blocks_shared, fork_shared_blocks=u.fork_shared_blocks, fork_refs=u.fork_refs,
                 forwards=1, logit_rows=B, attn_pairs=ctx0 + B * j, kv_read_tokens=ctx0 + B * j))  # plan_work's counts
-            st.forward_s += dt
-            self._step += 1
         st.phases["forward"] += times[-1] - self.now
         self.now = times[-1]
         for s in run:
             n = s.num_tokens
             for _ in range(k):
                 s.tokens.append(self._token(s))
-            cache.lens[s.seq_id] = n - 1 + k
+            blocks.store(s.seq_id, n - 1 + k)
             s.num_cached = n - 1 + k
-            cache.commit(s.seq_id, s.tokens, n - 1 + k)
+            blocks.commit(s.seq_id, s.tokens, n - 1 + k)
         self.skipped_steps += k

@@ -30,7 +30,7 @@ from ..engine.dispatch import least_loaded
 from ..engine.request import Request, RequestOutput
 from ..engine.stats import RunStats, RunSummary, merge_worker_summaries
 from ..errors import UsageError
-from ..runtime import Runtime, make_cache
+from ..runtime import Runtime, make_blocks, pool_size
 from .cost import CostModel
 from .engine import SimEngine
 from .trace import to_requests
@@ -43,8 +43,7 @@ def sim_runtime(cost: CostModel) -> Runtime:
 
 def make_sim_engine(cfg: Config, cost: CostModel, skip_ahead: bool = True, serving: bool = False) -> SimEngine:
     rt = sim_runtime(cost)
-    cache = make_cache(cfg, rt, tensors=False)
-    return SimEngine(rt.model_cfg, cache, cost, max_num_seqs=cfg.scheduler.max_num_seqs,
+    return SimEngine(rt.model_cfg, make_blocks(cfg, rt, pool_size(cfg, rt)), cost, max_num_seqs=cfg.scheduler.max_num_seqs,
                      max_prefill_tokens=cfg.scheduler.max_prefill_tokens, max_model_len=cfg.cache.max_model_len,
                      skip_ahead=skip_ahead, serving=serving)
 
@@ -63,15 +62,15 @@ class Simulation:
         self.max_waiting = max_waiting  # None: no bound (serve-batch and generate refuse nothing)
         self.rejected = 0
         self.peak_waiting = 0  # the most requests waiting at a step boundary
-        self.stats = RunStats(self.engines[0].cache.kind, self.engines[0].cache.block_size,
-                              self.engines[0].cache.num_blocks, self.engines[0].cache.kv_bytes, self.per_worker,
+        blocks = self.engines[0].engine.cache
+        self.stats = RunStats(blocks.kind, blocks.block_size, blocks.num_blocks, blocks.kv_bytes, self.per_worker,
                               start=0.0, clock=self._end)
 
     def _end(self) -> float:
         return max(e.now for e in self.engines)
 
     def run(self, items: Iterable) -> Iterator[RequestOutput]:
-        vocab = self.engines[0].model.cfg.vocab_size
+        vocab = self.engines[0].engine.model.cfg.vocab_size
         reqs = to_requests(items, vocab)
         if len(self.engines) == 1:
             yield from self._run_one(self.engines[0], reqs)
@@ -80,14 +79,14 @@ class Simulation:
         self.stats.end = self._end()
 
     def _run_one(self, eng: SimEngine, reqs: Iterator[Request]) -> Iterator[RequestOutput]:
-        pending = 4 * eng.scheduler.max_num_seqs
+        pending = eng.engine.default_pending()
         nxt = next(reqs, None)
         while True:
             # Everything due by now (timed) and as much of an offline batch as run() would feed.
             while nxt is not None and (nxt.arrival is None and eng.num_waiting() < pending
                                        or nxt.arrival is not None and nxt.arrival <= eng.now):
                 if self._full(nxt, eng.num_waiting()):
-                    yield self._reject(nxt, eng.num_waiting(), eng.stats)
+                    yield self._reject(nxt, eng.num_waiting(), eng.engine.stats)
                 else:
                     out = eng.add_request(nxt)
                     if out is not None:
@@ -170,15 +169,15 @@ class Simulation:
     def summary(self) -> RunSummary:
         """The run's figures with the keys of a real run's ``--stats-json``."""
         if len(self.engines) == 1:
-            e = self.engines[0]
+            e = self.engines[0].engine
             e.stats.end = self.stats.end
             out = e.stats.summary()
         else:
             el = max(self.stats.elapsed(), 1e-9)
             sums = []
             for e in self.engines:
-                e.stats.end = self.stats.end
-                sums.append(e.stats.summary())
+                e.engine.stats.end = self.stats.end
+                sums.append(e.engine.stats.summary())
             out = self.stats.summary() | merge_worker_summaries(sums, el)
             out["workers"] = [{"worker": i, "steps": s["steps"], "preemptions": s["preemptions"],
                                "peak_blocks_used": s["peak_blocks_used"], "output_tokens": s["output_tokens"]}

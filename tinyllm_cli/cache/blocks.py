@@ -1,4 +1,4 @@
-"""Paged and slot KV caches.
+"""The block pool's bookkeeping: which blocks hold which sequence's tokens. No tensors here.
 
 The paged cache is virtual memory for K/V. A sequence's *block table* is its page table: logical
 block j -> physical block id, and token t lives at ``(table[t // block_size], t % block_size)``.
@@ -7,25 +7,27 @@ allocated as a sequence grows, never reserved up front, and all blocks are the s
 free block fits any sequence: no external fragmentation, and at most ``block_size - 1`` unused
 slots per sequence (its last, partly filled block).
 
-The slot cache is the same machinery with one block of ``max_model_len`` tokens per sequence,
-taken whole at admission: simple, but every sequence pays for the longest one it could become.
+``BlockManager`` is everything the scheduler asks of the cache (admission, growth, preemption
+sizing, forks, prefix hits, rollback, usage), as host lists and counters; the engine's scheduler
+and the simulator talk only to it. The K/V tensors and each step's attention plan are
+``storage.KVStorage``'s, which reads the tables and lengths kept here. ``SlotBlockManager`` is a
+policy variant: one block of ``max_len`` tokens per sequence, taken whole at admission.
 
 Invariants (checked by the property tests):
-- free + used blocks = ``num_blocks``; no block is in two tables.
+- free + used blocks = ``num_blocks``; no block is in two tables except by a counted reference
+  (a prefix hit or a fork).
 - ``len(table) == ceil(capacity / block_size)`` where capacity >= stored tokens, and unused
   slots per sequence stay below ``block_size`` for the paged cache.
-- The scratch block (id ``num_blocks``) is never allocated: padded gather indices point there.
-  It is the only part of the pools that is zeroed; every other slot is written before it is read.
-  So a new cache may take a closed cache's pools as they are (``PoolMemory``): never two live
-  caches at once, and no content carried over is ever read.
-- Bookkeeping (tables, lengths, free list) lives on the host as Python lists; the device only
-  sees the per-step index tensors built in ``plan_step``, copied once per step, never per row.
+- Block id ``num_blocks`` is never allocated: the storage keeps its scratch slots there.
 - When a decode step needs more blocks than are free, the *newest* sequences are preempted: they
   have done the least work, so recomputing them wastes the least (vLLM's recompute policy).
 - Forks (parallel sampling): ``fork`` gives a child the parent's table, taking a reference on
-  every block; the first write into a block that is still shared copies it first (copy on write,
-  in ``grow``), so **no shared block is ever written**. Only the last, partly filled block can
-  need it: full blocks are never written again. Releasing a fork frees only what it alone holds.
+  every block; the first write into a block that is still shared gives the writer its own copy
+  first (copy on write, decided in ``grow``), so **no shared block is ever written**. Only the
+  last, partly filled block can need it: full blocks are never written again. The copy of the
+  contents is the storage's: ``grow`` records ``(src, dst, positions)`` and the storage applies
+  the pending copies (``take_copies``) before the step's forward. Until then ``src`` is still
+  held by the sequences that share it, so it is neither freed nor rewritten in between.
 - Prefix caching: a prefix hit on block j reuses K/V only when the cached block was computed
   after exactly the query's tokens ``0 .. (j+1) * block_size - 1``. Keys are sha256 digests
   chained through a sequence's *own* earlier blocks and salted with the model and dtype
@@ -47,11 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from ..model.llama import ModelConfig
-from ..machine import available_memory
-from ..transfer import to_device
 from .allocator import ROOT_SERIAL, BlockPool
 from .block_keys import ROOT, TOKEN_BYTES, as_salt, block_key, encode_tokens, prefix_salt
-from .attention import DecodeRows, KernelRows, PrefillSegment, StepAttention, chunk_mask, resolve_attention
 
 
 class CacheError(ValueError):
@@ -82,45 +81,6 @@ def token_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
 
 
-class PoolMemory:
-    """K/V pool storage handed from a closed cache to the next cache of the same process.
-
-    Why: a new pool is new memory, and each of its pages faults on its first K/V write (on a VM the
-    host may have to back it too), inside the run's timed steps. ``LLM.reconfigure``, every
-    ``bench`` row and a cluster worker's reset build a new cache on the same model; through this,
-    the new cache reuses the closed one's pools instead of faulting in the same bytes again (W1 in
-    a fresh process: 186 ms of K/V writes on a new pool, 6 ms on a reused one; 0-4% of whole runs
-    in a warm one; docs/performance.md).
-
-    Invariants: at most one spare pair is held, and ``take`` empties it, so no two live caches
-    ever share memory; a cache gives its pools back only in ``release_pools`` (its engine's ``close``),
-    after which it has no tensors. Contents are not cleared: every slot is written before it is
-    read (``PagedKVCache``), and the cache that takes the pools zeroes its own scratch slots.
-    """
-
-    def __init__(self) -> None:
-        self._spare: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the spare pools (counted as available when a new pool is sized)."""
-        return 0 if self._spare is None else 2 * self._spare[0].numel() * self._spare[0].element_size()
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The spare flat K and V storage if it holds ``numel`` elements of ``dtype`` on
-        ``device``, else None (and a spare that does not fit is dropped, freeing it first)."""
-        spare, self._spare = self._spare, None
-        if spare is None or spare[0].dtype != dtype or spare[0].device != device or spare[0].numel() < numel:
-            return None
-        return spare
-
-    def give(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._spare = (k, v)
-
-    def clear(self) -> None:
-        self._spare = None
-
-
 @dataclass
 class CacheUsage:
     """A snapshot for stats; cheap (no device work)."""
@@ -144,33 +104,20 @@ class CacheUsage:
         return self.tokens_stored / self.slots_allocated if self.slots_allocated else 0.0
 
 
-class PagedKVCache:
+class BlockManager:
+    """Block tables, lengths and prefix chains of a paged KV pool of ``num_blocks`` blocks of
+    ``block_size`` tokens of ``cfg``'s K/V in ``dtype`` (which only size it: no tensors here)."""
+
     kind = "paged"
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, scratch_slots: int | None = None, prefix_caching: bool = False,
-                 attention: str = "auto", salt: bytes | None = None, tensors: bool = True,
-                 memory: PoolMemory | None = None):
+                 prefix_caching: bool = False, salt: bytes | None = None):
         if block_size <= 0 or num_blocks <= 0:
             raise CacheError("block_size and num_blocks must be positive")
-        self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
-        self.device, self.dtype = torch.device(device), dtype
-        try:  # 'kernel' or 'gather': how a step's attention reads K/V (cache/attention.py)
-            self.attention = resolve_attention(attention, self.device)
-        except ValueError as e:
-            raise CacheError(str(e))
+        self.cfg, self.num_blocks, self.block_size, self.dtype = cfg, num_blocks, block_size, dtype
         self.bytes_per_token = token_bytes(cfg, dtype)
         self.kv_bytes = num_blocks * block_size * self.bytes_per_token
-        # The scratch block follows the real ones; the slot cache needs only one scratch slot.
-        self.scratch_slot = num_blocks * block_size
-        total = self.scratch_slot + (block_size if scratch_slots is None else scratch_slots)
-        # tensors=False: bookkeeping only (tables, lengths, free list, prefix cache), no K/V
-        # pools; the simulator (sim/) drives the same scheduler decisions with it.
-        self.k = self.v = None
-        self.memory = memory  # where release_pools() hands the pools (and where they may come from)
-        self._storage: tuple[torch.Tensor, torch.Tensor] | None = None  # the pools' flat storage
-        if tensors:
-            self._allocate_tensors(total)
+        self.sizing: str | None = None  # how the pool's size was chosen (runtime.kv_budget), for stats
         self.pool = BlockPool(num_blocks, caching=prefix_caching)
         self.allocator = self.pool.allocator
         self.tables: dict[int, list[int]] = {}
@@ -182,58 +129,32 @@ class PagedKVCache:
         # the pool entry holding it). Built only from the sequence's own tokens; a block that
         # could not be cached (key collision) ends the list and the sequence's caching.
         self.chains: dict[int, list[tuple[bytes, int | None]]] = {}
+        self.copies: list[tuple[int, int, int]] = []  # copies on write not applied yet: (src, dst, positions)
         self.prefix_queries = 0  # prompt tokens looked up at admission
         self.prefix_hits = 0  # of those, tokens whose K/V were reused
         self.forks = 0  # sequences forked from a parent (parallel sampling)
         self.cow_copies = 0  # shared blocks copied before a fork's first write into them
 
-    def _allocate_tensors(self, total: int) -> None:
-        cfg = self.cfg
-        shape = (cfg.num_layers, total, cfg.num_kv_heads, cfg.head_dim)
-        numel = math.prod(shape)
-        storage = self.memory.take(numel, self.dtype, self.device) if self.memory is not None else None
-        if storage is None:
-            need = total * self.bytes_per_token
-            if need > available_memory(self.device):
-                raise CacheError(
-                    f"the KV cache needs {need / 2**20:.0f} MiB but only "
-                    f"{available_memory(self.device) / 2**20:.0f} MiB are available on {self.device}")
-            # Uninitialised on purpose: a slot is only ever read after this step or an earlier one
-            # wrote it, so zeroing the whole pool (0.16 s and every page touched for 1 GiB on CPU)
-            # buys nothing; the same holds for pools a closed cache left (PoolMemory).
-            storage = tuple(torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(2))
-        self._storage = storage
-        self.k, self.v = (t[:numel].view(shape) for t in storage)
-        # Only the scratch slots are read unwritten (masked padding), and a masked weight of 0
-        # times a NaN left in memory would still be NaN, so they must be finite.
-        self.k[:, self.scratch_slot:].zero_()
-        self.v[:, self.scratch_slot:].zero_()
-
-    def release_pools(self) -> None:
-        """Give the pools to ``memory`` for the next cache (its engine closed); this cache has no
-        tensors afterwards. Safe to call twice."""
-        if self._storage is not None and self.memory is not None:
-            self.memory.give(*self._storage)
-        self._storage = None
-        self.k = self.v = None
-
-    @property
-    def has_tensors(self) -> bool:
-        return self.k is not None
-
     @property
     def prefix_caching(self) -> bool:
         return self.pool.caching
 
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation may take now (cached blocks no sequence holds included)."""
+        return self.pool.num_free
+
     # ---- sizing -------------------------------------------------------------------------
 
-    @classmethod
-    def from_budget(cls, cfg, kv_bytes: int, block_size: int, dtype, device, **kw) -> "PagedKVCache":
+    @staticmethod
+    def blocks_in(cfg: ModelConfig, kv_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+        """How many blocks of ``block_size`` tokens a budget of ``kv_bytes`` holds (a CacheError
+        when not one): the pool's size, computed before anything is built."""
         per_block = block_size * token_bytes(cfg, dtype)
         n = kv_bytes // per_block
         if n < 1:
             raise CacheError(f"a KV budget of {kv_bytes} bytes holds no block of {per_block} bytes")
-        return cls(cfg, int(n), block_size, dtype, device, **kw)
+        return int(n)
 
     def blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block_size)
@@ -244,6 +165,10 @@ class PagedKVCache:
         return self.blocks_for(n_tokens) + forks <= self.num_blocks
 
     # ---- check / act pairs for the scheduler -------------------------------------------
+
+    def can_admit(self, tokens: list[int], forks: int = 0, use_prefix: bool = True) -> bool:
+        """Whether ``try_admit`` would admit these tokens now (a check only)."""
+        return self._admission(tokens, forks, use_prefix) is not None
 
     def try_admit(self, seq_id: int, tokens: list[int], forks: int = 0, use_prefix: bool = True) -> int | None:
         """Admit a sequence if its tokens plus one fit, with one more block for each of ``forks``
@@ -258,10 +183,10 @@ class PagedKVCache:
         """
         if seq_id in self.tables:
             raise CacheError(f"sequence {seq_id} is already in the cache")
-        hits, chain = self._prefix_hits(tokens) if use_prefix else ([], [])
-        reclaimed = sum(self.pool.ref[b] == 0 for b in hits)  # evictable hits stop being free
-        if self.blocks_for(len(tokens) + 1) + forks - len(hits) > self.pool.num_free - reclaimed:
+        found = self._admission(tokens, forks, use_prefix)
+        if found is None:
             return None
+        hits, chain = found
         for b in hits:
             self.pool.share(b)
         self.tables[seq_id] = hits + self.pool.allocate(self.blocks_for(len(tokens)) - len(hits))
@@ -272,6 +197,15 @@ class PagedKVCache:
             self.prefix_queries += len(tokens)
             self.prefix_hits += cached
         return cached
+
+    def _admission(self, tokens: list[int], forks: int, use_prefix: bool):
+        """(prefix hits, their chain entries) when ``tokens`` plus one, and ``forks`` first
+        tokens, fit now; else None."""
+        hits, chain = self._prefix_hits(tokens) if use_prefix else ([], [])
+        reclaimed = sum(self.pool.ref[b] == 0 for b in hits)  # evictable hits stop being free
+        if self.blocks_for(len(tokens) + 1) + forks - len(hits) > self.pool.num_free - reclaimed:
+            return None
+        return hits, chain
 
     def _prefix_hits(self, tokens: list[int]) -> tuple[list[int], list[tuple[bytes, int]]]:
         """The cached blocks holding the longest whole-block prefix of ``tokens`` (leaving at
@@ -335,6 +269,16 @@ class PagedKVCache:
     def blocks_to_grow(self, seq_id: int, n_tokens: int) -> int:
         return max(0, self.blocks_for(n_tokens) - len(self.tables[seq_id]))
 
+    @property
+    def shares_blocks(self) -> bool:
+        """Whether any block has more than one holder (while none has, no growth copies)."""
+        return self.pool.num_shared > 0
+
+    def needs_copy(self, seq_id: int, n_tokens: int) -> bool:
+        """Whether growing ``seq_id`` to ``n_tokens`` first writes a block another sequence holds
+        (so ``grow`` copies it on write)."""
+        return self._shared_target(seq_id, n_tokens) is not None
+
     def _shared_target(self, seq_id: int, n_tokens: int) -> int | None:
         """The block that growing to ``n_tokens`` writes first, when another sequence holds it too."""
         start = self.lens[seq_id]
@@ -365,18 +309,22 @@ class PagedKVCache:
             self.tables[seq_id].extend(self.pool.allocate(extra))
 
     def _copy_on_write(self, seq_id: int) -> None:
-        """Give ``seq_id`` its own copy of the shared block it is about to write: the positions
-        already stored in it are copied (one device copy per pool, no sync), the reference on the
-        shared one is dropped."""
+        """Give ``seq_id`` its own block in place of the shared one it is about to write, drop its
+        reference on the shared one, and record the copy of the positions already stored in it
+        (the storage applies it before the step's forward)."""
         table, bs = self.tables[seq_id], self.block_size
         j = self.lens[seq_id] // bs
         old, (new,) = table[j], self.pool.allocate(1)
-        used = self.lens[seq_id] - j * bs
-        for pool in (self.k, self.v) if self.k is not None else ():
-            pool[:, new * bs:new * bs + used].copy_(pool[:, old * bs:old * bs + used])
+        self.copies.append((old, new, self.lens[seq_id] - j * bs))
         self.pool.release([old])
         table[j] = new
         self.cow_copies += 1
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The copies on write recorded since the last call, ``(src, dst, positions)`` in order;
+        the caller applies them (``KVStorage``) or, holding no K/V, drops them (the simulator)."""
+        out, self.copies = self.copies, []
+        return out
 
     def release(self, seq_id: int) -> None:
         # Tail first: cached blocks are evicted least-recently-released first, so a prefix
@@ -436,63 +384,24 @@ class PagedKVCache:
     # ---- the step ------------------------------------------------------------------------
 
     def slots(self, seq_id: int, start: int, n: int) -> list[int]:
+        """Flat slots (``block * block_size + offset``) of positions ``[start, start + n)``."""
         table, bs = self.tables[seq_id], self.block_size
         return [table[t // bs] * bs + t % bs for t in range(start, start + n)]
 
-    def plan_step(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> StepAttention:
-        """Build one step's indices. ``decode``: seq ids appending one token each;
-        ``prefill``: ``(seq_id, start, n)`` chunks. Updates stored lengths."""
-        slot_mapping: list[int] = []
-        for s in decode:
-            slot_mapping += self.slots(s, self.lens[s], 1)
-        for s, start, n in prefill:
-            slot_mapping += self.slots(s, start, n)
-        self.advance(decode, prefill)
-        mapping = to_device(slot_mapping, self.device)
-        if self.attention == "kernel":
-            return StepAttention(list(self.k), list(self.v), mapping, len(decode), None, [],
-                                 self._kernel_rows(decode, prefill))
-        segments, row = [], len(decode)
-        for s, start, n in prefill:
-            gather = mask = None
-            if start > 0:
-                gather = to_device(self.slots(s, 0, start + n), self.device)
-                mask = chunk_mask(start, n, self.device)
-            segments.append(PrefillSegment(row, n, start, gather, mask))
-            row += n
-        rows = self._decode_rows(decode) if decode else None
-        return StepAttention(list(self.k), list(self.v), mapping, len(decode), rows, segments)
-
     def advance(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> None:
-        """The bookkeeping half of ``plan_step``: the step's tokens are stored (lengths grow)."""
+        """The step's tokens are stored: each ``decode`` id one more, each ``(seq_id, start, n)``
+        chunk up to ``start + n`` (their tables already hold those positions)."""
         for s in decode:
             self.lens[s] += 1
         for s, start, n in prefill:
             self.lens[s] = start + n
 
-    def _padded_tables(self, seqs: list[int]) -> torch.Tensor:
-        nb = max(len(self.tables[s]) for s in seqs)
-        pad = self.num_blocks  # the scratch block id; padding is never read
-        return to_device([self.tables[s] + [pad] * (nb - len(self.tables[s])) for s in seqs], self.device)
-
-    def _kernel_rows(self, decode: list[int], prefill: list[tuple[int, int, int]]) -> KernelRows:
-        """Decode rows see their whole sequence; prefill row at position p sees [0, p] (causal)."""
-        row_seq, row_len = list(range(len(decode))), [self.lens[s] for s in decode]
-        for i, (s, start, n) in enumerate(prefill, start=len(decode)):
-            row_seq += [i] * n
-            row_len += range(start + 1, start + n + 1)
-        tables = self._padded_tables(decode + [s for s, _, _ in prefill])
-        return KernelRows(tables, to_device(row_seq, self.device), to_device(row_len, self.device), self.block_size)
-
-    def _decode_rows(self, decode: list[int]) -> DecodeRows:
-        """The flat slot of every (row, position) up to the longest row, padded with scratch."""
-        bs, lens = self.block_size, [self.lens[s] for s in decode]
-        table, lens_t = self._padded_tables(decode), to_device(lens, self.device)
-        pos = torch.arange(max(lens), device=self.device)
-        idx = table[:, pos // bs] * bs + pos % bs
-        valid = pos[None, :] < lens_t[:, None]
-        idx = torch.where(valid, idx, torch.full_like(idx, self.scratch_slot))
-        return DecodeRows(idx=idx, mask=valid[:, None, None, :])
+    def store(self, seq_id: int, n_tokens: int) -> None:
+        """``seq_id`` now stores ``n_tokens`` positions (several decode steps at once: the
+        simulator's skip-ahead); its table must already hold them."""
+        if self.blocks_for(n_tokens) > len(self.tables[seq_id]):
+            raise CacheError(f"sequence {seq_id} has no blocks for {n_tokens} tokens")
+        self.lens[seq_id] = n_tokens
 
     # ---- observation ---------------------------------------------------------------------
 
@@ -517,26 +426,28 @@ class PagedKVCache:
         return sum(fill.values())
 
 
-class SlotKVCache(PagedKVCache):
-    """``n_slots`` contiguous reservations of ``max_len`` tokens, one per sequence."""
+class SlotBlockManager(BlockManager):
+    """``n_slots`` contiguous reservations of ``max_len`` tokens, one per sequence: the same
+    bookkeeping with one block of ``max_len`` tokens, taken whole at admission, so every
+    sequence pays for the longest one it could become."""
 
     kind = "slot"
 
-    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype, device, attention: str = "auto",
-                 tensors: bool = True, memory: PoolMemory | None = None):
-        super().__init__(cfg, n_slots, max_len, dtype, device, scratch_slots=1, attention=attention, tensors=tensors,
-                         memory=memory)
+    def __init__(self, cfg: ModelConfig, n_slots: int, max_len: int, dtype: torch.dtype):
+        super().__init__(cfg, n_slots, max_len, dtype)
         self.max_len = max_len
 
-    @classmethod
-    def from_budget(cls, cfg, kv_bytes: int, max_len: int, dtype, device, **kw) -> "SlotKVCache":
+    @staticmethod
+    def blocks_in(cfg: ModelConfig, kv_bytes: int, max_len: int, dtype: torch.dtype) -> int:
+        """How many slots of ``max_len`` tokens a budget of ``kv_bytes`` holds (a CacheError when
+        not one)."""
         per_slot = max_len * token_bytes(cfg, dtype)
         n = kv_bytes // per_slot
         if n < 1:
             raise CacheError(
                 f"a KV budget of {kv_bytes / 2**20:.1f} MiB holds no slot of max_model_len={max_len} "
                 f"tokens ({per_slot / 2**20:.1f} MiB); raise kv_memory or lower max_model_len")
-        return cls(cfg, int(n), max_len, dtype, device, **kw)
+        return int(n)
 
     def blocks_for(self, n_tokens: int) -> int:
         # The whole reservation, whatever the sequence's length (that is the point of comparison).
@@ -550,4 +461,3 @@ class SlotKVCache(PagedKVCache):
     def draft_room(self, needs: list[tuple[int, int, int]]) -> list[int]:
         # A slot never grows: drafts fit in what is left of the sequence's own reservation.
         return [max(0, min(want, self.max_len - n)) for _, n, want in needs]
-
