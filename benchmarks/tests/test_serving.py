@@ -97,7 +97,7 @@ def test_every_server_gets_the_same_kv_bytes_threads_precision_and_loopback(tmp_
     """KV per token as tinyllm's own cache allocates it; llama-server's slots hold the others'
     bytes to within one slot; vLLM's whole GiB; 2 threads and float32 everywhere; 127.0.0.1."""
     import torch
-    from tinyllm_cli.cache.kv import token_bytes
+    from tinyllm_cli.cache.blocks import token_bytes
     from tinyllm_cli.model.checkpoint import load_checkpoint
     cfg = json.loads((llama_dir / "config.json").read_text())
     assert kv_bytes_per_token(cfg) == token_bytes(load_checkpoint(str(llama_dir), progress=False).config, torch.float32)
