@@ -160,16 +160,9 @@ class StepAttention:
         self.n_decode = n_decode
         self.decode = decode
         self.segments = segments
+        # On the kernel path the model's one-call layers (``model/fused.run_stack``) write and read
+        # every layer's K/V themselves from these fields: pools, slot mapping and ``kernel``'s rows.
         self.kernel = kernel
-
-    def paged(self) -> tuple | None:
-        """On the kernel path, what the model's one-call layers need to write and read every
-        layer's K/V themselves (``LlamaModel.forward``): the pools (one per layer), slot mapping,
-        tables, row sequences and lengths, block size."""
-        r = self.kernel
-        if r is None:
-            return None
-        return (self.k_pools, self.v_pools, self.slot_mapping, r.tables, r.row_seq, r.row_len, r.block_size)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kp, vp = self.k_pools[layer], self.v_pools[layer]

@@ -122,13 +122,14 @@ def run_stack(model: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, attn,
     stack and ``attn`` is the paged kernel path: the residual stream, the last MLP output (not yet
     added to it), and whether only the ``logits_index`` rows were carried past the last layer's
     K/V write (``keep_rows``). None where the Python layers must run instead."""
-    paged = attn.paged() if model.stack is not None and hasattr(attn, "paged") else None
-    if paged is None:
+    rows = getattr(attn, "kernel", None) if model.stack is not None else None  # a StepAttention's KernelRows
+    if rows is None:
         return None
     if model.quant == "gguf" and quant_forms.big_step(x.shape[0], model.int8_activations):
         return None  # Q4Linear leaves its 4-bit tiles for a step this big: the Python layers' modules run it
     keep = keep_rows(model.layers[-1], logits_index, x.shape[0])
-    x, r = native.decoder_stack(model.stack, x, cos, sin, *paged, keep)
+    x, r = native.decoder_stack(model.stack, x, cos, sin, attn.k_pools, attn.v_pools, attn.slot_mapping,
+                                rows.tables, rows.row_seq, rows.row_len, rows.block_size, keep)
     return x, r, keep is not None
 
 
