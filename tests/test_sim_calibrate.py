@@ -188,6 +188,8 @@ def test_calibrate_serving_measures_a_live_server(tmp_path, llama_dir, capsys):
     serving section; simulate --serving then charges it."""
     pytest.importorskip("fastapi")
     from tinyllm_cli.cli import main
+    from tinyllm_cli.commands.simulate import SERVING_LOADS
+    from tinyllm_cli.sim.cost import FEATURES, SERVING_FEATURES
     out = tmp_path / "p.json"
     with pytest.raises(SystemExit) as e:
         main(["simulate", "calibrate", "--output", str(out), "--model", str(llama_dir), "--device", "cpu",
@@ -196,9 +198,40 @@ def test_calibrate_serving_measures_a_live_server(tmp_path, llama_dir, capsys):
     prof = json.loads(out.read_text())
     sv = prof["serving"]
     assert sv["fit"]["steps"] > 10 and len(sv["coefs"]) == 3 and all(c >= 0 for c in sv["coefs"])
-    assert "calibrate serving: load 4/4" in capsys.readouterr().err
+    # the timed steps are kept, as the offline ones: features, serving features, seconds
+    assert len(sv["samples"]) == sv["fit"]["steps"]
+    assert all(len(x) == len(FEATURES) + len(SERVING_FEATURES) + 1 and x[-1] > 0 for x in sv["samples"])
+    assert f"calibrate serving: load {len(SERVING_LOADS)}/{len(SERVING_LOADS)}" in capsys.readouterr().err
     stats = tmp_path / "s.json"
     with pytest.raises(SystemExit) as e:
         main(["simulate", "--cost-profile", str(out), "--num-prompts", "8", "--input-len", "16", "--output-len", "8",
               "--serving", "--stats-json", str(stats), "-q"])
     assert e.value.code == 0 and json.loads(stats.read_text())["serving_overhead"] is True
+
+
+def test_serving_timer_times_only_back_to_back_steps(monkeypatch):
+    """A served step is timed only when it continues a sequence of the step before: after an
+    idle wait, a first chunk that starts past a cached prefix (start > 0) is not a continuation,
+    and the wait is charged to no step."""
+    from types import SimpleNamespace as NS
+
+    from tinyllm_cli.engine.scheduler import Chunk, Plan
+    from tinyllm_cli.sim.cost import ServingTimer
+    clock = iter([0.0, 0.010, 0.022, 5.0, 5.013, 5.030])
+    monkeypatch.setattr(costmod.time, "perf_counter", lambda: next(clock))
+
+    def seq(i, n=40, out=0):
+        return NS(seq_id=i, num_tokens=n, num_output=out, pending=[])
+    engine = NS(cache=NS(kind="slot"))
+    a, b = seq(1), seq(2)
+    timer = ServingTimer()
+    steps = [Plan(prefill=[Chunk(a, 0, 40)]),           # after an idle wait: a new request
+             Plan(decode=[a]),                            # 10 ms, continues a
+             Plan(decode=[a], prefill=[Chunk(b, 0, 8)]),  # 12 ms, continues a, b starts
+             Plan(prefill=[Chunk(seq(3), 32, 8)]),        # after a 5 s wait: prefix hit, start 32
+             Plan(decode=[seq(3, 41, 1)]),                # 13 ms, continues 3
+             Plan(decode=[seq(3, 42, 2)])]                # 17 ms
+    for p in steps:
+        timer(engine, p)
+    assert [round(t, 6) for _, t in timer.samples] == [0.010, 0.012, 0.013, 0.017]
+    assert [sf[1] for sf in timer.serving] == [0, 1, 0, 0]  # requests starting

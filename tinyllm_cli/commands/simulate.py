@@ -165,8 +165,10 @@ def _pair(p: dict) -> str:
 
 # Loads for the serving calibration: (rate req/s, requests, mean prompt, mean output), from
 # many requests with few tokens to few requests with many, so the per-request and per-token
-# costs are told apart.
-SERVING_LOADS = ((4.0, 24, 64, 8), (2.0, 16, 32, 64), (8.0, 32, 128, 24), (3.0, 24, 256, 16))
+# costs are told apart; the second runs one or two rows a step (a lightly loaded server), the
+# last 8-16 (a saturated one), so the per-row cost is measured across the range serve runs.
+SERVING_LOADS = ((4.0, 24, 64, 8), (2.0, 16, 32, 64), (8.0, 32, 128, 24), (3.0, 24, 256, 16),
+                 (12.0, 48, 64, 48))
 
 
 def measure_serving(llm, cfg: Config, prof: CostModel, quiet: bool, scale: float = 1.0) -> dict:
@@ -224,8 +226,10 @@ def measure_serving(llm, cfg: Config, prof: CostModel, quiet: bool, scale: float
     if failed:
         raise TinyLLMError(f"the serving calibration's load failed: {failed[0]}")
     coefs, info = fit_serving(timer, prof.coefs[llm.engine.cache.kind])
+    samples = [[round(x, 3) for x in f + sf] + [round(t, 6)] for (f, t), sf in zip(timer.samples, timer.serving)]
     return {"coefs": coefs, "features": list(SERVING_FEATURES), "fit": info,
-            "cache_kind": llm.engine.cache.kind, "loads": [list(x) for x in SERVING_LOADS]}
+            "cache_kind": llm.engine.cache.kind, "loads": [list(x) for x in SERVING_LOADS],
+            "samples": samples}
 
 
 def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, source=None,

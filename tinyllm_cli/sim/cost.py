@@ -233,22 +233,31 @@ class StepTimer:
 
 class ServingTimer(StepTimer):
     """A ``StepTimer`` for an engine behind ``tinyllm serve``: each step also gets its
-    ``serving_features``. Only steps the engine ran back to back are kept (the plan continues a
-    sequence of the step before): after an idle wait, the time since the last step is not a
-    step's cost."""
+    ``serving_features``. Only steps the engine ran back to back are kept: a step whose plan
+    holds a sequence of the step before (the server's loop waits only when nothing is
+    unfinished, so such a step followed its predecessor without an idle wait). A step after an
+    idle wait is not timed: the wait is no step's cost. (A first chunk that starts past a cached
+    prefix, or a preempted sequence's recompute, is no sign of continuity: both can follow a wait.)"""
 
     def __init__(self, source=None):
         super().__init__(source)
         self.serving: list[list[float]] = []
+        self._seqs: set[int] = set()  # the sequences of the step before
 
     def __call__(self, engine, plan) -> None:
         now = time.perf_counter()
-        busy = bool(plan.decode) or any(c.start > 0 for c in plan.prefill)
-        if self._last is not None and busy:
+        seqs = plan_seqs(plan)
+        if self._last is not None and seqs & self._seqs:
             f = step_features(plan, cache_block_size(engine.cache))
             self.samples.append((f, self.source(f, now - self._last)))
             self.serving.append(serving_features(plan))
-        self._last = now
+        self._last, self._seqs = now, seqs
+
+
+def plan_seqs(plan) -> set[int]:
+    """The ids of the sequences a plan runs (decode rows, prefill chunks, verified drafts)."""
+    return ({s.seq_id for s in plan.decode} | {c.seq.seq_id for c in plan.prefill}
+            | {v.seq.seq_id for v in plan.verify})
 
 
 def fit_serving(timer: ServingTimer, base: list[float]) -> tuple[list[float], dict]:
