@@ -20,7 +20,7 @@ relative error is an outlier are timed again (their workload rerun) and keep the
 the fit is redone, and one still poor by the thresholds in ``judge`` is saved marked
 ``fit_quality: poor`` (``simulate`` warns when it uses such a profile). An optional ``serving``
 section (``calibrate --serving``) holds what ``tinyllm serve``'s HTTP side adds to a step, per
-step, per starting request and per streamed token (``serving_features``), charged only by
+cache kind: per step, per starting request and per streamed token (``serving_features``), charged only by
 ``simulate --serving``. The profile is a small JSON that names the model, dtype, device, CPU and thread count it was measured on, and carries
 the model's shape (so ``simulate`` needs no weights).
 """
@@ -102,7 +102,7 @@ class CostModel:
     samples: dict = field(default_factory=dict)  # per kind: the timed steps, [features..., seconds]
     made_with: str = ""
     version: int = PROFILE_VERSION
-    # tinyllm serve's HTTP cost (``calibrate --serving``): {"coefs": per SERVING_FEATURES, "fit": ...}
+    # tinyllm serve's HTTP cost (``calibrate --serving``): {"coefs": {kind: per SERVING_FEATURES}, "fit": ...}
     serving: dict = field(default_factory=dict)
 
     def for_cache(self, cache, serving: bool = False) -> Coefs:
@@ -115,7 +115,13 @@ class CostModel:
             if not self.serving.get("coefs"):
                 raise UsageError("this cost profile has no serving section: make one with "
                                  "'tinyllm simulate calibrate --serving --output FILE'")
-            sv = [float(x) for x in self.serving["coefs"]]
+            sv = self.serving["coefs"]
+            if isinstance(sv, dict):  # per cache kind, as calibrate --serving measures it
+                if cache.kind not in sv:
+                    raise UsageError(f"this cost profile's serving section has no {cache.kind} cache: make one "
+                                     f"with 'tinyllm simulate calibrate --serving --output FILE'")
+                sv = sv[cache.kind]
+            sv = [float(x) for x in sv]  # a list: one set for every cache kind
             if len(sv) != len(SERVING_FEATURES):
                 raise UsageError(f"the cost profile's serving section must have {len(SERVING_FEATURES)} "
                                  f"coefficients ({', '.join(SERVING_FEATURES)}), not {len(sv)}")
@@ -262,19 +268,31 @@ def plan_seqs(plan) -> set[int]:
 
 def fit_serving(timer: ServingTimer, base: list[float]) -> tuple[list[float], dict]:
     """The serving coefficients: what the served steps took beyond the offline model ``base``
-    says, by non-negative least squares on ``serving_features``; the figures say how well the
-    step times are predicted without and with them."""
+    says, by non-negative least squares on ``serving_features``. Steps far off the fit (over 5
+    median absolute residuals: a slot's first use faulting in its memory, a request's first
+    chunk after a client's connect storm) are dropped and the rest refitted, twice, as the
+    offline fit drops its disturbed decode steps: left in, a few such steps (100-450 ms over)
+    put ~20 ms on every starting request. The figures say how well all the timed steps are
+    predicted without and with the coefficients, and how many were dropped."""
     y = [t for _, t in timer.samples]
     plain = [sum(a * b for a, b in zip(base, f)) for f, _ in timer.samples]
     X = timer.serving
-    s = [float(x) for x in nnls(X, [t - p for t, p in zip(y, plain)])] if X else [0.0] * len(SERVING_FEATURES)
+    excess = [t - p for t, p in zip(y, plain)]
+    keep = list(range(len(y)))
+    s = [0.0] * len(SERVING_FEATURES)
+    for _ in range(3) if X else ():
+        s = [float(x) for x in nnls([X[i] for i in keep], [excess[i] for i in keep])]
+        res = [e - sum(a * b for a, b in zip(s, sf)) for e, sf in zip(excess, X)]
+        mad = sorted(abs(r) for r in res)[len(res) // 2] or 1e-9
+        keep = [i for i, r in enumerate(res) if abs(r) <= 5 * mad]
     served = [p + sum(a * b for a, b in zip(s, sf)) for p, sf in zip(plain, X)]
 
     def figures(pred):
         rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
         return {"median_rel_err": round(rel[len(rel) // 2], 4) if rel else None,
                 "total_time_err": round(sum(pred) / max(sum(y), 1e-12) - 1, 4)}
-    return s, {"steps": len(y), "offline_model": figures(plain), "with_serving": figures(served)}
+    return s, {"steps": len(y), "outliers_dropped": len(y) - len(keep) if X else 0,
+               "offline_model": figures(plain), "with_serving": figures(served)}
 
 
 # ---- fit quality -----------------------------------------------------------------------------
