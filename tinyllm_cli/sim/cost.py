@@ -269,11 +269,11 @@ def plan_seqs(plan) -> set[int]:
 def fit_serving(timer: ServingTimer, base: list[float]) -> tuple[list[float], dict]:
     """The serving coefficients: what the served steps took beyond the offline model ``base``
     says, by non-negative least squares on ``serving_features``. Steps far off the fit (over 5
-    median absolute residuals: a slot's first use faulting in its memory, a request's first
-    chunk after a client's connect storm) are dropped and the rest refitted, twice, as the
-    offline fit drops its disturbed decode steps: left in, a few such steps (100-450 ms over)
-    put ~20 ms on every starting request. The figures say how well all the timed steps are
-    predicted without and with the coefficients, and how many were dropped."""
+    median absolute residuals) are dropped and the rest refitted, twice, as the offline fit
+    drops its disturbed decode steps: on the slot cache a few steps that start a request ran
+    100-450 ms over, and left in they put ~20 ms on every starting request. The figures say how
+    well all the timed steps are predicted without and with the coefficients, and how many
+    were dropped."""
     y = [t for _, t in timer.samples]
     plain = [sum(a * b for a, b in zip(base, f)) for f, _ in timer.samples]
     X = timer.serving
