@@ -183,11 +183,34 @@ def test_serving_needs_a_serving_section(capsys):
     assert err.count("\n") == 0 and "serving section" in err and "--serving" in err
 
 
+def test_serving_coefficients_are_per_cache_kind():
+    """A serving section measured per cache kind charges each cache its own coefficients; one
+    without the simulated kind is a usage error (one sentence), never another kind's figures;
+    a single list (an older profile) serves every kind."""
+    from types import SimpleNamespace as NS
+
+    from tinyllm_cli.errors import UsageError
+    from tinyllm_cli.sim.cost import CostModel
+    paged, slot = NS(kind="paged", block_size=16), NS(kind="slot", block_size=16)
+    cost = CostModel(coefs={"paged": TRUE, "slot": TRUE},
+                     serving={"coefs": {"paged": [3e-3, 0.0, 2e-4], "slot": [1e-3, 1e-3, 0.0]}})
+    assert cost.for_cache(paged, serving=True).serve == [3e-3, 0.0, 2e-4]
+    assert cost.for_cache(slot, serving=True).serve == [1e-3, 1e-3, 0.0]
+    assert cost.for_cache(slot).serve == [0.0, 0.0, 0.0]
+    only_paged = CostModel(coefs={"paged": TRUE, "slot": TRUE}, serving={"coefs": {"paged": [3e-3, 0.0, 2e-4]}})
+    with pytest.raises(UsageError, match="no slot cache"):
+        only_paged.for_cache(slot, serving=True)
+    legacy = CostModel(coefs={"paged": TRUE}, serving={"coefs": [5e-3, 0.0, 1e-4]})
+    assert legacy.for_cache(slot, serving=True).serve == legacy.for_cache(paged, serving=True).serve == [5e-3, 0.0, 1e-4]
+
+
 def test_calibrate_serving_measures_a_live_server(tmp_path, llama_dir, capsys):
     """calibrate --serving runs serve's own app on 127.0.0.1 under tinyllm load and fits the
     serving section; simulate --serving then charges it."""
     pytest.importorskip("fastapi")
     from tinyllm_cli.cli import main
+    from tinyllm_cli.commands.simulate import SERVING_LOADS
+    from tinyllm_cli.sim.cost import FEATURES, SERVING_FEATURES
     out = tmp_path / "p.json"
     with pytest.raises(SystemExit) as e:
         main(["simulate", "calibrate", "--output", str(out), "--model", str(llama_dir), "--device", "cpu",
@@ -195,10 +218,44 @@ def test_calibrate_serving_measures_a_live_server(tmp_path, llama_dir, capsys):
     assert e.value.code == 0
     prof = json.loads(out.read_text())
     sv = prof["serving"]
-    assert sv["fit"]["steps"] > 10 and len(sv["coefs"]) == 3 and all(c >= 0 for c in sv["coefs"])
-    assert "calibrate serving: load 4/4" in capsys.readouterr().err
+    assert set(sv["coefs"]) == set(prof["coefs"]) == {"paged", "slot"}  # measured per cache kind
+    err = capsys.readouterr().err
+    for kind, c in sv["coefs"].items():
+        assert sv["fit"][kind]["steps"] > 10 and len(c) == len(SERVING_FEATURES) and all(x >= 0 for x in c)
+        # the timed steps are kept, as the offline ones: features, serving features, seconds
+        assert len(sv["samples"][kind]) == sv["fit"][kind]["steps"]
+        assert all(len(x) == len(FEATURES) + len(SERVING_FEATURES) + 1 and x[-1] > 0 for x in sv["samples"][kind])
+        assert f"calibrate serving {kind}: load {len(SERVING_LOADS)}/{len(SERVING_LOADS)}" in err
     stats = tmp_path / "s.json"
     with pytest.raises(SystemExit) as e:
         main(["simulate", "--cost-profile", str(out), "--num-prompts", "8", "--input-len", "16", "--output-len", "8",
               "--serving", "--stats-json", str(stats), "-q"])
     assert e.value.code == 0 and json.loads(stats.read_text())["serving_overhead"] is True
+
+
+def test_serving_timer_times_only_back_to_back_steps(monkeypatch):
+    """A served step is timed only when it continues a sequence of the step before: after an
+    idle wait, a first chunk that starts past a cached prefix (start > 0) is not a continuation,
+    and the wait is charged to no step."""
+    from types import SimpleNamespace as NS
+
+    from tinyllm_cli.engine.scheduler import Chunk, Plan
+    from tinyllm_cli.sim.cost import ServingTimer
+    clock = iter([0.0, 0.010, 0.022, 5.0, 5.013, 5.030])
+    monkeypatch.setattr(costmod.time, "perf_counter", lambda: next(clock))
+
+    def seq(i, n=40, out=0):
+        return NS(seq_id=i, num_tokens=n, num_output=out, pending=[])
+    engine = NS(cache=NS(kind="slot"))
+    a, b = seq(1), seq(2)
+    timer = ServingTimer()
+    steps = [Plan(prefill=[Chunk(a, 0, 40)]),           # after an idle wait: a new request
+             Plan(decode=[a]),                            # 10 ms, continues a
+             Plan(decode=[a], prefill=[Chunk(b, 0, 8)]),  # 12 ms, continues a, b starts
+             Plan(prefill=[Chunk(seq(3), 32, 8)]),        # after a 5 s wait: prefix hit, start 32
+             Plan(decode=[seq(3, 41, 1)]),                # 13 ms, continues 3
+             Plan(decode=[seq(3, 42, 2)])]                # 17 ms
+    for p in steps:
+        timer(engine, p)
+    assert [round(t, 6) for _, t in timer.samples] == [0.010, 0.012, 0.013, 0.017]
+    assert [sf[1] for sf in timer.serving] == [0, 1, 0, 0]  # requests starting

@@ -165,23 +165,43 @@ def _pair(p: dict) -> str:
 
 # Loads for the serving calibration: (rate req/s, requests, mean prompt, mean output), from
 # many requests with few tokens to few requests with many, so the per-request and per-token
-# costs are told apart.
-SERVING_LOADS = ((4.0, 24, 64, 8), (2.0, 16, 32, 64), (8.0, 32, 128, 24), (3.0, 24, 256, 16))
+# costs are told apart; the second runs one or two rows a step (a lightly loaded server), the
+# last 8-16 (a saturated one), so the per-row cost is measured across the range serve runs.
+SERVING_LOADS = ((4.0, 24, 64, 8), (2.0, 16, 32, 64), (8.0, 32, 128, 24), (3.0, 24, 256, 16),
+                 (12.0, 48, 64, 48))
 
 
 def measure_serving(llm, cfg: Config, prof: CostModel, quiet: bool, scale: float = 1.0) -> dict:
-    """The serving section of a profile: ``tinyllm serve``'s own app and server over ``llm``'s
-    engine (configured as ``cfg``; its loop on this thread, HTTP beside it, as ``serve`` runs),
-    on 127.0.0.1, driven by ``tinyllm load`` in another process (as a client would be) with
-    ``SERVING_LOADS``; every step timed (``ServingTimer``) and what it took beyond the offline
-    coefficients fitted to ``serving_features``."""
+    """The serving section of a profile, per cache kind of the offline calibration (their
+    served steps differ: the paged cache's prefix caching, on in ``serve``, is off in the offline
+    workloads): ``tinyllm serve``'s own app and server over ``llm``'s engine (configured as
+    ``cfg`` with that cache), driven with ``SERVING_LOADS`` (``serve_loads``), every step timed
+    (``ServingTimer``) and what it took beyond that kind's offline coefficients fitted to
+    ``serving_features``."""
+    from ..sim.cost import SERVING_FEATURES, fit_serving
+    coefs, fits, samples = {}, {}, {}
+    for kind in prof.coefs:
+        kcfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kind=kind))
+        timer = serve_loads(llm, kcfg, kind, quiet, scale)
+        coefs[kind], fits[kind] = fit_serving(timer, prof.coefs[kind])
+        samples[kind] = [[round(x, 3) for x in f + sf] + [round(t, 6)]
+                         for (f, t), sf in zip(timer.samples, timer.serving)]
+    return {"coefs": coefs, "features": list(SERVING_FEATURES), "fit": fits,
+            "loads": [list(x) for x in SERVING_LOADS], "samples": samples}
+
+
+def serve_loads(llm, cfg: Config, kind: str, quiet: bool, scale: float):
+    """``SERVING_LOADS`` through ``tinyllm serve``'s own app and server over ``llm``'s engine
+    (configured as ``cfg``; its loop on this thread, HTTP beside it, as ``serve`` runs) on
+    127.0.0.1, sent by ``tinyllm load`` in another process (as a client would be); returns the
+    ``ServingTimer`` that timed the steps (the first load, a warm-up, untimed)."""
     import os
     import subprocess
     import threading
 
     from ..serving.app import ServeSettings
     from ..serving.server import make_server
-    from ..sim.cost import SERVING_FEATURES, ServingTimer, fit_serving
+    from ..sim.cost import ServingTimer
     from .serve import bind, max_model_len_of
     llm.reconfigure(config=cfg)
     sock = bind("127.0.0.1", 0)
@@ -211,8 +231,8 @@ def measure_serving(llm, cfg: Config, prof: CostModel, quiet: bool, scale: float
                     failed.append((p.stderr.strip().splitlines() or ["?"])[-1])
                     return
                 if not quiet:
-                    print(f"calibrate serving: load {i + 1}/{len(SERVING_LOADS)} ({rate:g} req/s, {num} x {inp} in / "
-                          f"{out} out), {len(timer.samples)} steps timed", file=sys.stderr)
+                    print(f"calibrate serving {kind}: load {i + 1}/{len(SERVING_LOADS)} ({rate:g} req/s, {num} x "
+                          f"{inp} in / {out} out), {len(timer.samples)} steps timed", file=sys.stderr)
         finally:
             server.should_exit = True
 
@@ -223,9 +243,7 @@ def measure_serving(llm, cfg: Config, prof: CostModel, quiet: bool, scale: float
         sock.close()
     if failed:
         raise TinyLLMError(f"the serving calibration's load failed: {failed[0]}")
-    coefs, info = fit_serving(timer, prof.coefs[llm.engine.cache.kind])
-    return {"coefs": coefs, "features": list(SERVING_FEATURES), "fit": info,
-            "cache_kind": llm.engine.cache.kind, "loads": [list(x) for x in SERVING_LOADS]}
+    return timer
 
 
 def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, source=None,
@@ -239,12 +257,13 @@ def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, so
             prof.serving = measure_serving(llm, cfg, prof, quiet, scale)
     prof.save(output)
     if serving and not quiet:
-        f = prof.serving["fit"]
-        c = prof.serving["coefs"]
-        print(f"serving: {f['steps']} steps, {c[0] * 1e3:.2f} ms a step, {c[1] * 1e3:.2f} ms a request, "
-              f"{c[2] * 1e3:.2f} ms a streamed token; served steps' total time error "
-              f"{f['offline_model']['total_time_err']:+.1%} by the offline model, "
-              f"{f['with_serving']['total_time_err']:+.1%} with these", file=sys.stderr)
+        for kind, c in prof.serving["coefs"].items():
+            f = prof.serving["fit"][kind]
+            print(f"serving {kind}: {f['steps']} steps, {c[0] * 1e3:.2f} ms a step, {c[1] * 1e3:.2f} ms a request, "
+                  f"{c[2] * 1e3:.2f} ms a streamed token; served steps' median / total time error "
+                  f"{f['offline_model']['median_rel_err']:.1%} / {f['offline_model']['total_time_err']:+.1%} by the "
+                  f"offline model, {f['with_serving']['median_rel_err']:.1%} / "
+                  f"{f['with_serving']['total_time_err']:+.1%} with these", file=sys.stderr)
     if not quiet:
         for kind, f in prof.fit.items():
             print(f"{kind}: {f['steps']} steps ({f['retimed']} retimed, {f['outliers_dropped']} dropped), "

@@ -20,7 +20,7 @@ relative error is an outlier are timed again (their workload rerun) and keep the
 the fit is redone, and one still poor by the thresholds in ``judge`` is saved marked
 ``fit_quality: poor`` (``simulate`` warns when it uses such a profile). An optional ``serving``
 section (``calibrate --serving``) holds what ``tinyllm serve``'s HTTP side adds to a step, per
-step, per starting request and per streamed token (``serving_features``), charged only by
+cache kind: per step, per starting request and per streamed token (``serving_features``), charged only by
 ``simulate --serving``. The profile is a small JSON that names the model, dtype, device, CPU and thread count it was measured on, and carries
 the model's shape (so ``simulate`` needs no weights).
 """
@@ -102,7 +102,7 @@ class CostModel:
     samples: dict = field(default_factory=dict)  # per kind: the timed steps, [features..., seconds]
     made_with: str = ""
     version: int = PROFILE_VERSION
-    # tinyllm serve's HTTP cost (``calibrate --serving``): {"coefs": per SERVING_FEATURES, "fit": ...}
+    # tinyllm serve's HTTP cost (``calibrate --serving``): {"coefs": {kind: per SERVING_FEATURES}, "fit": ...}
     serving: dict = field(default_factory=dict)
 
     def for_cache(self, cache, serving: bool = False) -> Coefs:
@@ -115,7 +115,13 @@ class CostModel:
             if not self.serving.get("coefs"):
                 raise UsageError("this cost profile has no serving section: make one with "
                                  "'tinyllm simulate calibrate --serving --output FILE'")
-            sv = [float(x) for x in self.serving["coefs"]]
+            sv = self.serving["coefs"]
+            if isinstance(sv, dict):  # per cache kind, as calibrate --serving measures it
+                if cache.kind not in sv:
+                    raise UsageError(f"this cost profile's serving section has no {cache.kind} cache: make one "
+                                     f"with 'tinyllm simulate calibrate --serving --output FILE'")
+                sv = sv[cache.kind]
+            sv = [float(x) for x in sv]  # a list: one set for every cache kind
             if len(sv) != len(SERVING_FEATURES):
                 raise UsageError(f"the cost profile's serving section must have {len(SERVING_FEATURES)} "
                                  f"coefficients ({', '.join(SERVING_FEATURES)}), not {len(sv)}")
@@ -233,39 +239,60 @@ class StepTimer:
 
 class ServingTimer(StepTimer):
     """A ``StepTimer`` for an engine behind ``tinyllm serve``: each step also gets its
-    ``serving_features``. Only steps the engine ran back to back are kept (the plan continues a
-    sequence of the step before): after an idle wait, the time since the last step is not a
-    step's cost."""
+    ``serving_features``. Only steps the engine ran back to back are kept: a step whose plan
+    holds a sequence of the step before (the server's loop waits only when nothing is
+    unfinished, so such a step followed its predecessor without an idle wait). A step after an
+    idle wait is not timed: the wait is no step's cost. (A first chunk that starts past a cached
+    prefix, or a preempted sequence's recompute, is no sign of continuity: both can follow a wait.)"""
 
     def __init__(self, source=None):
         super().__init__(source)
         self.serving: list[list[float]] = []
+        self._seqs: set[int] = set()  # the sequences of the step before
 
     def __call__(self, engine, plan) -> None:
         now = time.perf_counter()
-        busy = bool(plan.decode) or any(c.start > 0 for c in plan.prefill)
-        if self._last is not None and busy:
+        seqs = plan_seqs(plan)
+        if self._last is not None and seqs & self._seqs:
             f = step_features(plan, cache_block_size(engine.cache))
             self.samples.append((f, self.source(f, now - self._last)))
             self.serving.append(serving_features(plan))
-        self._last = now
+        self._last, self._seqs = now, seqs
+
+
+def plan_seqs(plan) -> set[int]:
+    """The ids of the sequences a plan runs (decode rows, prefill chunks, verified drafts)."""
+    return ({s.seq_id for s in plan.decode} | {c.seq.seq_id for c in plan.prefill}
+            | {v.seq.seq_id for v in plan.verify})
 
 
 def fit_serving(timer: ServingTimer, base: list[float]) -> tuple[list[float], dict]:
     """The serving coefficients: what the served steps took beyond the offline model ``base``
-    says, by non-negative least squares on ``serving_features``; the figures say how well the
-    step times are predicted without and with them."""
+    says, by non-negative least squares on ``serving_features``. Steps far off the fit (over 5
+    median absolute residuals) are dropped and the rest refitted, twice, as the offline fit
+    drops its disturbed decode steps: on the slot cache a few steps that start a request ran
+    100-450 ms over, and left in they put ~20 ms on every starting request. The figures say how
+    well all the timed steps are predicted without and with the coefficients, and how many
+    were dropped."""
     y = [t for _, t in timer.samples]
     plain = [sum(a * b for a, b in zip(base, f)) for f, _ in timer.samples]
     X = timer.serving
-    s = [float(x) for x in nnls(X, [t - p for t, p in zip(y, plain)])] if X else [0.0] * len(SERVING_FEATURES)
+    excess = [t - p for t, p in zip(y, plain)]
+    keep = list(range(len(y)))
+    s = [0.0] * len(SERVING_FEATURES)
+    for _ in range(3) if X else ():
+        s = [float(x) for x in nnls([X[i] for i in keep], [excess[i] for i in keep])]
+        res = [e - sum(a * b for a, b in zip(s, sf)) for e, sf in zip(excess, X)]
+        mad = sorted(abs(r) for r in res)[len(res) // 2] or 1e-9
+        keep = [i for i, r in enumerate(res) if abs(r) <= 5 * mad]
     served = [p + sum(a * b for a, b in zip(s, sf)) for p, sf in zip(plain, X)]
 
     def figures(pred):
         rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
         return {"median_rel_err": round(rel[len(rel) // 2], 4) if rel else None,
                 "total_time_err": round(sum(pred) / max(sum(y), 1e-12) - 1, 4)}
-    return s, {"steps": len(y), "offline_model": figures(plain), "with_serving": figures(served)}
+    return s, {"steps": len(y), "outliers_dropped": len(y) - len(keep) if X else 0,
+               "offline_model": figures(plain), "with_serving": figures(served)}
 
 
 # ---- fit quality -----------------------------------------------------------------------------
