@@ -130,17 +130,22 @@ def file_name(rec: dict) -> str:
     return f"{stamp}-{'-'.join(filter(None, slug.split('-')))}.json"
 
 
-def write(rec: dict, directory: Path) -> Path:
-    """Store a record as a new file (never over an existing one)."""
-    validate(rec, "the record")
+def write_new(rec: dict, directory: Path) -> Path:
+    """Store an already validated record as a new file in ``directory``, never over an existing
+    one (a second run in the same second gets ``-2``, ``-3``, ...)."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / file_name(rec)
-    n = 1
+    path, n = directory / file_name(rec), 1
     while path.exists():
         n += 1
         path = directory / file_name(rec).replace(".json", f"-{n}.json")
     path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
     return path
+
+
+def write(rec: dict, directory: Path) -> Path:
+    """Store a record as a new file (never over an existing one)."""
+    validate(rec, "the record")
+    return write_new(rec, directory)
 
 
 # ---- reading ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from datetime import timezone
 from pathlib import Path
 
 from .machine import cpu_class
-from .results import RESULTS_DIR, ResultError, _parses, file_name
+from .results import RESULTS_DIR, ResultError, _parses, write_new
 from .servers import SERVERS
 from .sustain import SLO
 
@@ -72,13 +72,7 @@ def record(a, argv: list[str], now, commit: str | None, cpu: dict, versions: dic
 def write(rec: dict, directory: Path = SERVING_DIR) -> Path:
     """Store a record as a new file (never over an existing one)."""
     validate(rec, "the record")
-    directory.mkdir(parents=True, exist_ok=True)
-    path, n = directory / file_name(rec), 1
-    while path.exists():
-        n += 1
-        path = directory / file_name(rec).replace(".json", f"-{n}.json")
-    path.write_text(json.dumps(rec, indent=1) + "\n")
-    return path
+    return write_new(rec, directory)
 
 
 # ---- reading ---------------------------------------------------------------------------------
