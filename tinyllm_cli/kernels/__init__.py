@@ -21,8 +21,9 @@ Invariants:
   without a compiler.
 - All the ``.cpp`` files compile into one library in one ``cpp_extension.load`` call (one
   ``TORCH_LIBRARY``, in bindings.cpp). Its build directory is keyed by every source and header
-  (name and bytes), torch's version and the CPU's flags: the library is compiled with
-  ``-march=native``, so a cache never serves one built for another CPU, torch or source.
+  (name and bytes), torch's version, the CPU's flags and the compiler flags: the library is
+  compiled with ``-march=native`` (or ``$TINYLLM_KERNELS_MARCH``), so a cache never serves one
+  built for another CPU, target, torch or source.
 - Codes shared with Python are exported by the library: ``linear_kinds()`` gives the C++
   ``LinearKind`` by name, which ``model/fused.py`` checks against its own before it builds a stack.
 - One build per key across processes, one load per process. The lock is an ``flock`` on
@@ -32,6 +33,9 @@ Invariants:
   ``LOCK_WAIT_S``, saying so on stderr, then runs the PyTorch path with the usual one-line note.
 - Nothing is printed on stdout: a first build says so on stderr.
 - ``TINYLLM_KERNELS=0`` turns them off (everything runs the PyTorch path), for comparisons.
+- ``TINYLLM_KERNELS_MARCH=haswell`` builds for another target than this CPU, for comparisons:
+  on an AVX-512 host, the AVX2 paths that AVX2-only CPUs take (8-lane registers, the 6-row panel
+  tile, AVX2 integer dot products). It must name a target this CPU can run.
 """
 
 from __future__ import annotations
@@ -57,11 +61,15 @@ except ImportError:  # not POSIX: builds are not locked across processes
     fcntl = None
 
 KERNEL_DIR = Path(__file__).parent
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LOCK_WAIT_S = 300.0  # how long to wait for another live process's build before taking the PyTorch path
 _NOTE_AFTER_S = 1.0  # a shorter wait (a loader, or a builder about to finish) goes unmentioned
 _POLL_S = 0.1
 _error: str | None = None
+
+
+def cflags() -> tuple[str, ...]:
+    """The compiler flags: ``-march`` is this CPU's unless ``$TINYLLM_KERNELS_MARCH`` names another."""
+    return ("-O3", f"-march={os.environ.get('TINYLLM_KERNELS_MARCH') or 'native'}", "-fopenmp")
 
 
 def cache_root() -> Path:
@@ -88,7 +96,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for path in source_files():
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    for part in (torch.__version__.encode(), cpu_flags_line().encode(), sys.version.encode(), " ".join(CFLAGS).encode()):
+    for part in (torch.__version__.encode(), cpu_flags_line().encode(), sys.version.encode(), " ".join(cflags()).encode()):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -191,7 +199,7 @@ def _build(directory: Path, name: str) -> None:
     builder_log.setLevel(logging.ERROR)  # its compiler-ABI warning is not ours to show
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the builder's notes must not reach stdout
-            cpp_extension.load(name, [str(p) for p in sources()], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+            cpp_extension.load(name, [str(p) for p in sources()], extra_cflags=list(cflags()), extra_ldflags=["-fopenmp"],
                                build_directory=str(directory), is_python_module=False, verbose=False)
     finally:
         builder_log.setLevel(level)
