@@ -51,14 +51,48 @@ at::Tensor add_rms_norm_(at::Tensor& x, const std::optional<at::Tensor>& residua
   return out;
 }
 
+inline float silu_times(float g, float u) { return g / (1.0f + fast_exp(-g)) * u; }
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// silu_times on every lane, with the roundings GCC gives the scalar form (it contracts
+// `x * log2e + shift`, `x - n * c1`, each polynomial step and `1 + p * 2^n` into FMAs), so a lane
+// is the scalar's bits. Written out because GCC leaves the scalar loop scalar for AVX2 (the clamp
+// becomes branches it cannot if-convert without AVX-512's masks): 3 ns an element instead of 0.2.
+inline VecF vsilu_times(VecF g, VecF u) {
+  const VecF x = vmin(vmax(vsub(vzero(), g), vset1(-87.0f)), vset1(88.0f));
+  const VecF shift = vset1(12582912.0f);
+  const VecF n = vsub(vfma(x, vset1(1.44269504088896341f), shift), shift);
+  const VecF r = vfma(n, vset1(2.12194440e-4f), vfnmadd(n, vset1(0.693359375f), x));
+  VecF p = vset1(1.0f / 720);
+  p = vfma(p, r, vset1(1.0f / 120));
+  p = vfma(p, r, vset1(1.0f / 24));
+  p = vfma(p, r, vset1(1.0f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.0f));
+  p = vfma(p, r, vset1(1.0f));
+  return vmul(vdiv(g, vfma(p, vexp2i(n), vset1(1.0f))), u);
+}
+#endif
+
 template <typename S>
 [[gnu::noinline]] void silu_mul_row(const typename S::T* __restrict__ g, const typename S::T* __restrict__ u,
                   typename S::T* __restrict__ o, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float gv = S::ld(g[i]);
-    o[i] = S::st(gv / (1.0f + fast_exp(-gv)) * S::ld(u[i]));
+  int64_t i = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  if constexpr (!std::is_same_v<S, F16>) {
+    alignas(64) float out[kLanes];
+    for (; i + kLanes <= n; i += kLanes) {
+      const VecF v = vsilu_times(vload(g + i), vload(u + i));
+      if constexpr (std::is_same_v<S, F32>) {
+        vstore(o + i, v);
+      } else {
+        vstore(out, v);
+        for (int l = 0; l < kLanes; ++l) o[i + l] = S::st(out[l]);
+      }
+    }
   }
+#endif
+  for (; i < n; ++i) o[i] = S::st(silu_times(S::ld(g[i]), S::ld(u[i])));
 }
 
 // gate_up [T, 2I] (gate then up, as the fused projection writes them) -> silu(gate) * up [T, I].

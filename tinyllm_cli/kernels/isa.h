@@ -167,6 +167,9 @@ constexpr int kLanes = 16;
 inline VecF vzero() { return _mm512_setzero_ps(); }
 inline VecF vset1(float f) { return _mm512_set1_ps(f); }
 inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm512_div_ps(a, b); }
+inline VecF vfnmadd(VecF a, VecF b, VecF c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
 inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, VecF v) { _mm512_storeu_ps(p, v); }
@@ -236,6 +239,9 @@ constexpr int kLanes = 8;
 inline VecF vzero() { return _mm256_setzero_ps(); }
 inline VecF vset1(float f) { return _mm256_set1_ps(f); }
 inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm256_div_ps(a, b); }
+inline VecF vfnmadd(VecF a, VecF b, VecF c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
 inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, VecF v) { _mm256_storeu_ps(p, v); }
