@@ -223,6 +223,7 @@ Q8Rows q8_quantize(const uint16_t* x, int64_t m, int64_t k, bool q4_order, bool 
 // vpdpbusd multiplies 16 rows x 4 inputs against one broadcast word of a row of x. vpdpbusd wants
 // its first operand unsigned: the weight is read as q + 128 (one XOR with 0x80 per vector, shared
 // by a tile's rows), and 128 * sum(xq over the group) comes off each group's integer sum.
+// On AVX2 (without VNNI) the same products run on vpmaddubsw (int8_q8_tile_avx2).
 
 namespace {
 
@@ -277,6 +278,44 @@ template <int64_t R>
 }
 #endif
 
+#if !defined(TINYLLM_VNNI) && defined(TINYLLM_Q4_INT8)
+// The same products on AVX2 (vpmaddubsw, which wants its first operand unsigned): R rows x half h
+// of a block (weight rows 8h..8h+7, the 32 bytes of each 64 that hold them), over every group.
+// llama.cpp's sign trick: |q| unsigned against sign(q) * xq signed gives q * xq per byte, and a
+// pair sums to at most 2 * 128 * 127 < 2^15, so vpmaddubsw never saturates; vpmaddwd then adds
+// each 4 products into row j's int32 lane. The group sums are exact, and each group meets d in
+// the same float32 FMA, in order: bitwise the plain loops' (and the VNNI tile's) result.
+// Up to 4 rows: R int32 sums and R float32 accumulators with 5 working registers fit AVX2's 16.
+template <int64_t R>
+[[gnu::noinline]] void int8_q8_tile_avx2(const int8_t* xq, const float* d, int64_t k, const int8_t* wb, int h,
+                                         const float* scale, float* y, int64_t n) {
+  const int64_t groups = k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* gp = wb + g * 512 + 32 * h;  // 8 words of 4 inputs x 16 rows; this half's 32 bytes of each
+    for (int l = 0; l < 512; l += 64) _mm_prefetch(reinterpret_cast<const char*>(gp - 32 * h + 1024 + l), _MM_HINT_T0);
+    __m256i sum[R];
+    for (int64_t r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+    for (int i = 0; i < 8; ++i) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 64 * i));
+      const __m256i wa = _mm256_sign_epi8(w, w);  // |q| (-128 reads as 128 unsigned)
+      for (int64_t r = 0; r < R; ++r) {
+        int32_t word;
+        std::memcpy(&word, xq + r * k + g * 32 + 4 * i, 4);
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(word), w);
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(d[r * groups + g]), acc[r]);
+  }
+  const __m256 sc = _mm256_loadu_ps(scale + 8 * h);
+  for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(y + r * n + 8 * h, _mm256_mul_ps(acc[r], sc));
+}
+#endif
+
 // y [m, n] float32 = x [m, k] bfloat16 (quantized per group) @ (w * scale)^T, w as int8_pack made it.
 void int8_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const int8_t* w, const float* scale, int64_t n, float* y,
                     bool portable) {
@@ -296,6 +335,24 @@ void int8_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const int8_t* w, co
           int8_q8_tile<R>(xq + r * k, d + r * groups, sums + r * groups, k, w + b * bytes, scale + b * 16,
                           y + r * n + b * 16, n, NextShare(q8_next_block(w, bytes, b, b1, m), bytes, m, r, groups));
         });
+      return;
+    }
+#elif defined(TINYLLM_Q4_INT8)
+    if (!portable) {
+      for (int64_t b = b0; b < b1; ++b)
+        for (int h = 0; h < 2; ++h)
+          for (int64_t r = r0; r < r1; r += 4) {
+            const int8_t* xr = xq + r * k;
+            const float* dr = d + r * groups;
+            const int8_t* wb = w + b * 16 * k;
+            float* yr = y + r * n + b * 16;
+            switch (std::min<int64_t>(4, r1 - r)) {
+              case 4: int8_q8_tile_avx2<4>(xr, dr, k, wb, h, scale + b * 16, yr, n); break;
+              case 3: int8_q8_tile_avx2<3>(xr, dr, k, wb, h, scale + b * 16, yr, n); break;
+              case 2: int8_q8_tile_avx2<2>(xr, dr, k, wb, h, scale + b * 16, yr, n); break;
+              default: int8_q8_tile_avx2<1>(xr, dr, k, wb, h, scale + b * 16, yr, n); break;
+            }
+          }
       return;
     }
 #endif

@@ -29,9 +29,10 @@ What each form computes (the same math as the dequantized weights, up to stated 
   than both the float32 and the bfloat16 dot paths once a few rows share each weight read, at the
   accuracy cost of rounding each activation to 1/127 of its group's largest (the figures are in
   docs/performance.md).
-  With int8 activations on AVX512-VNNI the Q8_0 output matrix quantizes its input the same way
-  (``int8_q8_linear``: the int8 weight against the Q8_0 codes, integer dot products, well ahead
-  of its bfloat16-input kernel); elsewhere its input stays bfloat16.
+  With int8 activations the Q8_0 output matrix quantizes its input the same way
+  (``int8_q8_linear``: the int8 weight against the Q8_0 codes, integer dot products on AVX2 or
+  AVX512-VNNI with the same bits, about 2x its bfloat16-input kernel at 16-32 rows and level at
+  one); where neither is built its input stays bfloat16.
 - Many rows at once (a prefill of ``DEQUANT_ROWS`` tokens or more, on AVX512-BF16 hosts:
   ``big_step``): with AMX, in either activation mode, ``Q4Linear`` unpacks its weight to bfloat16
   for that call (transient, never kept) and runs oneDNN's bfloat16 matmul; without AMX and with
@@ -332,10 +333,11 @@ def int4_linear(w: QuantWeight, bias: Tensor | None, device: torch.device | str,
 
 
 def int8_head_packs(shape: tuple[int, int]) -> bool:
-    """Whether an int8 [N, K] output matrix runs with int8 activations (``int8_q8_linear``): on
-    AVX512-VNNI, N a multiple of 16 and K of 32. Elsewhere its input stays bfloat16."""
+    """Whether an int8 [N, K] output matrix runs with int8 activations (``int8_q8_linear``): where
+    the integer tiles are built (AVX2 or AVX512-VNNI: ``q4_q8_isa()``), N a multiple of 16 and K of
+    32. Elsewhere its input stays bfloat16."""
     n, k = shape
-    return native.load() and torch.ops.tinyllm.q4_q8_isa() == "avx512-vnni" and n % 16 == 0 and k % 32 == 0
+    return native.load() and bool(torch.ops.tinyllm.q4_q8_isa()) and n % 16 == 0 and k % 32 == 0
 
 
 class Int8Embedding(nn.Module):
