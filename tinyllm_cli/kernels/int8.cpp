@@ -306,6 +306,7 @@ template <int64_t R>
         std::memcpy(&word, xq + r * k + g * 32 + 4 * i, 4);
         const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(word), w);
         sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
+        asm volatile("" : "+x"(sum[r]));  // summed as they come (else GCC hoists and spills the products)
       }
     }
     for (int64_t r = 0; r < R; ++r)

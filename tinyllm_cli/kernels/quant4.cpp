@@ -459,6 +459,9 @@ template <int64_t R>
         const __m256i xl = _mm256_set1_epi32(wl), xh = _mm256_set1_epi32(wh);
         sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh)));
         sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh)));
+        // Keeps each vector's products summed as they come: free to reassociate integer adds, GCC
+        // otherwise computes a group's 8R products first and spills them (~60 stores a group at R = 3).
+        asm volatile("" : "+x"(sum[r][0]), "+x"(sum[r][1]));
       }
     }
     const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gp + 256)));
