@@ -235,11 +235,21 @@ def test_version(capsys, monkeypatch):
     code, out, _ = cli(capsys, "--version")
     assert code == 0 and out == f"tinyllm {metadata.version('tinyllm')}\n"
 
+    from tinyllm_cli.version import package_version
+    reads = []
+
     def missing(name):
+        reads.append(name)
         raise metadata.PackageNotFoundError(name)
     monkeypatch.setattr(metadata, "version", missing)
-    code, out, _ = cli(capsys, "--version")
-    assert code == 0 and out.startswith("tinyllm unknown (not installed")
+    package_version.cache_clear()
+    try:
+        for _ in range(2):
+            code, out, _ = cli(capsys, "--version")
+            assert code == 0 and out.startswith("tinyllm unknown (not installed")
+        assert reads == ["tinyllm"]  # read once per process: the server names it in every streamed chunk
+    finally:
+        package_version.cache_clear()
 
 
 def test_simulate_sweep_plot_is_labelled_by_the_swept_setting(capsys, tmp_path):

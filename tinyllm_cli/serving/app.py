@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import HTTPConnection
 
 from ..engine.request import Delta, Request, RequestOutput
 from ..io import RequestBuilder
@@ -102,15 +103,7 @@ def create_app(engine, tokenizer, defaults, settings: ServeSettings, *, max_mode
     app.state.front, app.state.metrics = front, metrics
     handler = Handler(front, metrics, tokenizer, defaults, settings)
 
-    @app.middleware("http")
-    async def guard(request: HttpRequest, call_next):
-        if settings.api_key and request.url.path != "/health" and not _authorized(request, settings.api_key):
-            return _error(ApiError(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
-                                   "authentication_error"))
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > settings.max_body_bytes:
-            return _error(_too_large(settings.max_body_bytes))
-        return await call_next(request)
+    app.add_middleware(Guard, settings=settings)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
@@ -144,6 +137,31 @@ def create_app(engine, tokenizer, defaults, settings: ServeSettings, *, max_mode
         return await handler.serve(request, CHAT)
 
     return app
+
+
+class Guard:
+    """The API key and the declared body size, checked before any route runs. A plain ASGI
+    middleware: Starlette's ``@app.middleware("http")`` would pass every chunk of every streamed
+    answer through a memory stream between two tasks."""
+
+    def __init__(self, app, settings: ServeSettings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send) -> None:
+        refusal = self._refusal(HTTPConnection(scope)) if scope["type"] == "http" else None
+        if refusal is not None:
+            await _error(refusal)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, conn: HTTPConnection) -> ApiError | None:
+        key, limit = self.settings.api_key, self.settings.max_body_bytes
+        if key and conn.url.path != "/health" and not _authorized(conn, key):
+            return ApiError(401, "a valid API key is needed: send 'Authorization: Bearer <key>'", "authentication_error")
+        size = conn.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limit:
+            return _too_large(limit)
+        return None
 
 
 class Handler:
@@ -458,7 +476,7 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _authorized(request: HttpRequest, key: str) -> bool:
+def _authorized(request: HTTPConnection, key: str) -> bool:
     got = request.headers.get("authorization", "")
     scheme, _, token = got.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
