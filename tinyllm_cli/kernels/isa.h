@@ -382,16 +382,17 @@ inline void row_tiles(int64_t r0, int64_t r1, Tile&& tile) {
 // memory and the rest compute from L2; splitting the next block's prefetch over all of them runs
 // the weight stream under every tile's compute. The tile at `row` of `rows` takes its 1 / tiles
 // of the `bytes` at `next` and prefetches `step` more of them at each of its `steps` steps, one
-// prefetch per cache line. Default-constructed (or with next == nullptr): nothing to prefetch.
+// prefetch per cache line; tiles are `tile_rows` high. Default-constructed (or with next ==
+// nullptr): nothing to prefetch.
 struct NextShare {
   const char* line = nullptr;  // the next line to prefetch
   const char* upto = nullptr;  // prefetched up to here so far
   int64_t step = 0;
   NextShare() = default;
-  NextShare(const void* next, int64_t bytes, int64_t rows, int64_t row, int64_t steps) {
+  NextShare(const void* next, int64_t bytes, int64_t rows, int64_t row, int64_t steps, int64_t tile_rows = kTileRows) {
     if (!next) return;
-    const int64_t tiles = (rows + kTileRows - 1) / kTileRows, share = (bytes + tiles - 1) / tiles;
-    line = upto = static_cast<const char*>(next) + row / kTileRows * share;
+    const int64_t tiles = (rows + tile_rows - 1) / tile_rows, share = (bytes + tiles - 1) / tiles;
+    line = upto = static_cast<const char*>(next) + row / tile_rows * share;
     step = (share + steps - 1) / steps;
   }
   bool on() const { return step > 0; }

@@ -45,9 +45,11 @@ void panel_matmul(const float* x, int64_t m, int64_t k_len, const typename S::T*
         if (bias && cols < PANEL_NR) std::memcpy(tail_bias, bias + p * PANEL_NR, cols * sizeof(float));
         const float* b = !bias ? nullptr : cols < PANEL_NR ? tail_bias : bias + p * PANEL_NR;
         if (p < full && (std::is_same_v<typename S::T, float> || m1 - m0 <= 3)) {
+          const auto* next = panel_next(w, k_len, p, p1, full, m, chunk);
+          const int64_t bytes = PANEL_NR * k_len * sizeof(typename S::T);
           for (int64_t r = m0; r < m1; r += PANEL_MR)
             panel_rows(std::min<int64_t>(PANEL_MR, m1 - r), x + r * k_len, k_len, w + p * PANEL_NR * k_len, b,
-                       y + r * n + p * PANEL_NR, n, cols);
+                       y + r * n + p * PANEL_NR, n, cols, NextShare(next, bytes, m, r, k_len, PANEL_MR));
           continue;
         }
         float* buf = scratch(kPanelBuf, k_len * PANEL_NR);

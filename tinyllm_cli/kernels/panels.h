@@ -28,20 +28,27 @@ constexpr int64_t PANEL_MR = 6;  // 6 x 2 accumulators + 2 weight vectors + 1 br
 // Rows per chunk: the chunk's x rows (read once per panel) stay in L2/L3 while its panels stream.
 constexpr int64_t PANEL_CHUNK_BYTES = 2 << 20;
 
+// nx: this tile's share of the next panel, prefetched into L2 under its compute (a decode step's
+// few rows: see panel_next).
 template <int64_t R, typename W>
 inline void panel_tile(const float* x, int64_t k_len, const W* w, const float* bias, float* y, int64_t ldy,
-                       int64_t cols) {
+                       int64_t cols, NextShare nx) {
   VecF lo[R], hi[R];
   for (int64_t r = 0; r < R; ++r) lo[r] = hi[r] = vzero();
-  for (int64_t k = 0; k < k_len; ++k) {
-    const VecF w0 = vload(w + k * PANEL_NR), w1 = vload(w + k * PANEL_NR + kLanes);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 8) * PANEL_NR), _MM_HINT_T0);
-    for (int64_t r = 0; r < R; ++r) {
-      const VecF a = vset1(x[r * k_len + k]);
-      lo[r] = vfma(a, w0, lo[r]);
-      hi[r] = vfma(a, w1, hi[r]);
+  auto run = [&]<bool Next>() __attribute__((always_inline)) {
+    NextShare next = nx;  // a local copy the loop can keep in registers
+    for (int64_t k = 0; k < k_len; ++k) {
+      const VecF w0 = vload(w + k * PANEL_NR), w1 = vload(w + k * PANEL_NR + kLanes);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + 8) * PANEL_NR), _MM_HINT_T0);
+      if constexpr (Next) next.advance();
+      for (int64_t r = 0; r < R; ++r) {
+        const VecF a = vset1(x[r * k_len + k]);
+        lo[r] = vfma(a, w0, lo[r]);
+        hi[r] = vfma(a, w1, hi[r]);
+      }
     }
-  }
+  };
+  nx.on() ? run.template operator()<true>() : run.template operator()<false>();
   // Whole-register stores only: an element-wise epilogue makes GCC keep the accumulators in
   // memory through the k loop.
   if (bias) {
@@ -68,15 +75,26 @@ inline void panel_tile(const float* x, int64_t k_len, const W* w, const float* b
 
 template <typename W>
 inline void panel_rows(int64_t rows, const float* x, int64_t k_len, const W* w, const float* bias, float* y,
-                       int64_t ldy, int64_t cols) {
+                       int64_t ldy, int64_t cols, NextShare nx = {}) {
   switch (rows) {
-    case 6: return panel_tile<6>(x, k_len, w, bias, y, ldy, cols);
-    case 5: return panel_tile<5>(x, k_len, w, bias, y, ldy, cols);
-    case 4: return panel_tile<4>(x, k_len, w, bias, y, ldy, cols);
-    case 3: return panel_tile<3>(x, k_len, w, bias, y, ldy, cols);
-    case 2: return panel_tile<2>(x, k_len, w, bias, y, ldy, cols);
-    default: return panel_tile<1>(x, k_len, w, bias, y, ldy, cols);
+    case 6: return panel_tile<6>(x, k_len, w, bias, y, ldy, cols, nx);
+    case 5: return panel_tile<5>(x, k_len, w, bias, y, ldy, cols, nx);
+    case 4: return panel_tile<4>(x, k_len, w, bias, y, ldy, cols, nx);
+    case 3: return panel_tile<3>(x, k_len, w, bias, y, ldy, cols, nx);
+    case 2: return panel_tile<2>(x, k_len, w, bias, y, ldy, cols, nx);
+    default: return panel_tile<1>(x, k_len, w, bias, y, ldy, cols, nx);
   }
+}
+
+// The next panel for NextShare, where a step's rows are one chunk of at most 8 tiles (a decode
+// step of a batch: each panel streams from memory once, and a tile would wait on it). One row
+// keeps to the hardware prefetcher, which serves it as well; past 8 tiles a panel is reused from
+// L2 by many tiles and its stream is not what bounds the step. (Figures: docs/performance.md,
+// "AVX2".)
+template <typename W>
+inline const W* panel_next(const W* w, int64_t k_len, int64_t p, int64_t p1, int64_t full, int64_t m, int64_t chunk) {
+  const bool share = m > 1 && m <= std::min<int64_t>(chunk, 8 * PANEL_MR) && p + 1 < std::min(p1, full);
+  return share ? w + (p + 1) * PANEL_NR * k_len : nullptr;
 }
 
 #else
