@@ -83,12 +83,13 @@ def reexec_env(isa: str, environ: dict) -> dict | None:
 
 # How each engine is capped, as recorded with the results (the verification is added per run).
 HOW = {
-    "tinyllm": "kernels built with TINYLLM_KERNELS_MARCH=haswell; torch capped with ATEN_CPU_CAPABILITY=avx2 "
-               "and ONEDNN_MAX_CPU_ISA=AVX2 (set before torch loads: compare re-executes itself with them)",
-    "hf": "the same process as tinyllm: ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2",
+    "tinyllm": "kernels built with TINYLLM_KERNELS_MARCH=haswell; torch capped with ATEN_CPU_CAPABILITY=avx2, "
+               "ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2 (set before torch loads: compare "
+               "re-executes itself with them)",
+    "hf": "the same process as tinyllm: ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2",
     "openvino": "ONEDNN_MAX_CPU_ISA=AVX2 in the worker (caps the CPU plugin's oneDNN primitives only)",
-    "vllm": "ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 in the worker; its ops from the wheel's "
-            "_C_AVX2 build (workers/isa_site/sitecustomize.py makes torch's AVX-512/AMX probes answer False)",
+    "vllm": "ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 and MKL_ENABLE_INSTRUCTIONS=AVX2 in the worker; "
+            "its ops from the wheel's _C_AVX2 build (workers/isa_site/sitecustomize.py makes torch's AVX-512/AMX probes answer False)",
     "llamacpp": "a build of its own: GGML_NATIVE=OFF, AVX, AVX2, FMA, F16C, BMI2 on, every AVX-512 and AMX "
                 "option off",
 }
