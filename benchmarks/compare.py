@@ -180,6 +180,9 @@ def parse_args(argv=None):
     p.add_argument("--isa", default="native", choices=ISAS,
                    help="instruction set every engine is capped to (avx2: the AVX2 + FMA paths of an AVX-512 "
                         "host; see benchmarks/isa.py for how each engine is capped and verified)")
+    p.add_argument("--uncapped", default="", help=f"with --isa: comma list of {','.join(isa.UNCAPPABLE)} left on "
+                                                  "their native paths (an engine that cannot run capped; its rows "
+                                                  "say so), their precisions still those of the capped CPU")
     p.add_argument("--ov-int4-group", type=int, default=128,
                    help="NNCF int4 group size for OpenVINO's int4 export (optimum-cli's default, 128)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (the same ids `tinyllm bench` draws)")
@@ -192,6 +195,9 @@ def parse_args(argv=None):
     a.workloads = _choices(a.workloads, BENCHES, "--workloads", p)
     a.dtypes = _choices(a.dtypes, DTYPES, "--dtypes", p)
     a.shapes = _choices(a.shapes, tuple(SHAPES), "--shapes", p)
+    a.uncapped = _choices(a.uncapped, isa.UNCAPPABLE, "--uncapped", p) if a.uncapped else []
+    if a.uncapped and a.isa == "native":
+        p.error("--uncapped leaves engines out of an --isa cap: give --isa too")
     try:
         a.kv_gib = parse_kv_gib(a.kv_gib)
     except ValueError as e:
@@ -246,7 +252,8 @@ def context(a) -> dict:
     models = a.cache_dir / "models"
     install = not a.no_setup
     hf_dir = lazy(lambda shape: a.hf_dir if shape == "135m" and a.hf_dir else make_hf_dir(shape, models))
-    llamacpp = lazy(lambda: llamacpp_bin(a.cache_dir, install, isa.llamacpp_build(a.isa)))
+    llamacpp = lazy(lambda: llamacpp_bin(a.cache_dir, install,
+                                         isa.llamacpp_build(isa.engine_isa(a.isa, "llamacpp", a.uncapped))))
     ov_py = lazy(lambda: openvino_python(a.cache_dir, install))
 
     def gguf(shape, dtype):

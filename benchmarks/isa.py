@@ -47,6 +47,16 @@ TORCH_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_
 TORCH_PROBE = Path(__file__).resolve().parent / "workers" / "torch_isa_probe.py"
 
 
+# Engines that ``compare --uncapped`` may leave on their native paths under a cap (tinyllm and the
+# transformers reference share compare's process, so they are always capped with it).
+UNCAPPABLE = ("openvino", "vllm", "llamacpp")
+
+
+def engine_isa(isa: str, engine: str, uncapped) -> str:
+    """The ISA one engine runs under: the run's, or native for an engine left ``uncapped``."""
+    return "native" if engine in uncapped else isa
+
+
 def tinyllm_env(isa: str) -> dict:
     """What the process running tinyllm (compare itself, and its ``tinyllm generate`` children)
     needs in its environment before torch loads."""
@@ -80,6 +90,8 @@ def reexec_env(isa: str, environ: dict) -> dict | None:
         return None
     return dict(environ) | need
 
+
+UNCAPPED_HOW = "not capped (compare --uncapped): its native paths, AVX-512 on this host, with the capped CPU's precisions"
 
 # How each engine is capped, as recorded with the results (the verification is added per run).
 HOW = {

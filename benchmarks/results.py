@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .common import ENGINES, REPO
-from .isa import HOW
+from .isa import HOW, UNCAPPED_HOW
 from .machine import cpu_class
 from .models import kv_gib
 
@@ -127,8 +127,9 @@ def capped_parts(cmp) -> dict:
     if a.isa == "native":
         return {}
     engines = sorted({c.engine for c in cmp.cells.values()} | set(cmp.isa_checks))
-    return {"isa": {"isa": a.isa, "engines": {e: {"how": HOW.get(e)} | cmp.isa_checks.get(e, {"ok": None})
-                                               for e in engines}},
+    how = {e: UNCAPPED_HOW if e in a.uncapped else HOW.get(e) for e in engines}
+    return {"isa": {"isa": a.isa, "uncapped": list(a.uncapped),
+                    "engines": {e: {"how": how[e]} | cmp.isa_checks.get(e, {"ok": None}) for e in engines}},
             "host_limits": cmp.host_limits, "limits": {"/".join(k): v for k, v in cmp.limits.items()}}
 
 

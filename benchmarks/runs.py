@@ -21,7 +21,7 @@ from .engines.openvino import OpenVINOEngine, ov_precision
 from .engines.tinyllm import TinyEngine, tinyllm_e2e, tinyllm_single
 from .engines.vllm import VLLMEngine, vllm_e2e, vllm_model_len
 from .guard import WorkerEngine
-from .isa import capped_cpu
+from .isa import capped_cpu, engine_isa
 from .machine import mem_available
 from .models import default_gguf, kv_gib
 from .workloads import make_prompts, shape_prompts, total_tokens
@@ -50,16 +50,19 @@ def row_factories(cmp: Comparison, ctx: dict, shape: str, dtype: str) -> dict:
         return {"tinyllm": lambda: TinyEngine(str(ctx["q4_gguf"](shape)), None, a.config, kv),
                 "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "int4"),
                                                    ov_precision(dtype, capped_cpu(cmp.cpu, a.isa)),
-                                                   a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout, a.isa),
+                                                   a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout,
+                                                   engine_isa(a.isa, "openvino", a.uncapped), a.isa != "native"),
                 "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
     hf_dir = ctx["hf_dir"](shape)
     return {"tinyllm": lambda: TinyEngine(str(hf_dir), dtype, a.batch_config, kv),
             "hf": lambda: HFEngine(hf_dir, dtype),
             "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "fp32"),
                                                ov_precision(dtype, capped_cpu(cmp.cpu, a.isa)),
-                                               a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout, a.isa),
+                                               a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout,
+                                               engine_isa(a.isa, "openvino", a.uncapped), a.isa != "native"),
             "vllm": lambda: VLLMEngine(ctx["vllm_py"](), hf_dir, dtype, a.cache_dir / "vllm-runs.log", kv,
-                                       a.vllm_timeout, vllm_model_len(ctx["workloads"], a.workloads), a.isa),
+                                       a.vllm_timeout, vllm_model_len(ctx["workloads"], a.workloads),
+                                       engine_isa(a.isa, "vllm", a.uncapped)),
             "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
 
 
@@ -336,7 +339,7 @@ def run_e2e(cmp: Comparison, ctx: dict) -> None:
             if "vllm" in a.engines and "vllm" not in cmp.notes:
                 res = cmp.attempt("e2e", dtype, "vllm", "s", lambda: vllm_e2e(
                     ctx["vllm_py"](), hf_dir, dtype, prompts, wl.output_len, ctx["work"],
-                    a.cache_dir / "vllm-runs.log", kv_gib(a, "135m"), a.isa))
+                    a.cache_dir / "vllm-runs.log", kv_gib(a, "135m"), engine_isa(a.isa, "vllm", a.uncapped)))
                 if res:
                     cmp.add("e2e", dtype, "vllm", res["wall_s"], res, "s")
                     cmp.add("start-up", dtype, "vllm", res["to_generate_s"], res, "s")

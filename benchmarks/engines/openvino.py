@@ -61,11 +61,11 @@ class OpenVINOEngine(WorkerEngine):
     name = "OpenVINO GenAI"
 
     def __init__(self, py: Path, ov_dir: Path, precisions: tuple[str, str], logfile: Path, kv_gib: int,
-                 timeout: float, isa_name: str = "native"):
+                 timeout: float, isa_name: str = "native", probe: bool = False):
         precision, kv_precision = precisions  # ov_precision's
         cmd = [str(py), str(OV_WORKER), "serve", "--model", str(ov_dir), "--precision", precision,
                "--kv-precision", kv_precision, "--kv-gb", str(kv_gib), "--threads", "2"]
-        cmd += ["--probe-isa"] if isa_name != "native" else []
+        cmd += ["--probe-isa"] if probe or isa_name != "native" else []
         super().__init__(cmd, openvino_env(isa_name), logfile, timeout)
 
     def isa_check(self) -> dict | None:

@@ -201,3 +201,22 @@ def test_a_capped_result_records_how_each_engine_was_capped_and_the_host_limits(
     assert "avx2-fma-paths" in stored.path.name
     native = record(Comparison(parse_args([]), ZEN5), [], datetime(2026, 12, 6, tzinfo=timezone.utc), None)
     assert "isa" not in native and "isa_cap" not in native["cpu"] and native["settings"]["isa"] == "native"
+
+
+def test_an_engine_left_uncapped_runs_natively_and_its_record_says_so(capsys):
+    """--uncapped: an engine that cannot run capped (OpenVINO's int4 row) runs its native paths;
+    the record names it as not capped rather than leaving the row out silently."""
+    a = parse_args(["--isa", "avx2", "--uncapped", "openvino"])
+    assert a.uncapped == ["openvino"]
+    assert isa.engine_isa(a.isa, "openvino", a.uncapped) == "native"
+    assert isa.engine_isa(a.isa, "vllm", a.uncapped) == "avx2"
+    for bad in (["--uncapped", "openvino"], ["--isa", "avx2", "--uncapped", "tinyllm"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    assert "--uncapped" in capsys.readouterr().err
+    cmp = Comparison(a, ZEN5)
+    cmp.cell("W1", "int4", "openvino").values.append(90.0)
+    cmp.isa_checks["openvino"] = isa.openvino_check({"FullyConnected gemm_mlas_f32": 3, "RMS jit_avx512_f32": 2})
+    rec = record(cmp, [], datetime(2026, 12, 6, tzinfo=timezone.utc), None)
+    ov = rec["isa"]["engines"]["openvino"]
+    assert ov["how"] == isa.UNCAPPED_HOW and ov["ok"] is False and rec["isa"]["uncapped"] == ["openvino"]
