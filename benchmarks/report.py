@@ -137,8 +137,9 @@ def is_capped(res: Result) -> bool:
 
 def render_capped(cls: str, results: list[Result]) -> str:
     """A class of runs capped to AVX2 on a wider host (compare --isa avx2): the table with greedy
-    agreement, then per run how each engine was capped and what verified it, this host's AVX2
-    limits and each engine's fraction of them."""
+    agreement, then per run how each engine was capped and what verified it; then this host's AVX2
+    limits (the best each run measured: a busy moment can only lower a measurement) and, on the
+    float32 rows, each engine's rates as fractions of them."""
     rows = latest_rows(results)
     keys = sorted(rows, key=sort_key)
     letters = run_letters(rows, keys)
@@ -148,9 +149,56 @@ def render_capped(cls: str, results: list[Result]) -> str:
         res = by_path[path]
         out.append(f"How each engine was capped in run **{letter}**, and what verified it:\n\n"
                    + "\n".join(cap_line(e, c) for e, c in res.data.get("isa", {}).get("engines", {}).items()) + "\n")
-        if res.data.get("host_limits"):
-            out.append(limits_text(letter, res))
+    measured = [(letter, by_path[p]) for p, letter in letters.items() if by_path[p].data.get("host_limits")]
+    if measured:
+        best = best_limits([res.data["host_limits"] for _, res in measured])
+        out.append(limits_text(best, [letter for letter, _ in measured], rows, keys, letters))
     return "\n".join(out)
+
+
+FIGURES = ("fma_gflops", "l1_load_gbps", "stream_gbps")
+
+
+def best_limits(measurements: list[dict]) -> dict:
+    """Per thread count (``1t``, ``2t``), each figure the best any measurement reached."""
+    best: dict[str, dict] = {}
+    for hl in measurements:
+        for t, v in hl.items():
+            if isinstance(v, dict):
+                best[t] = {k: max(best.get(t, {}).get(k, 0.0), v[k]) for k in FIGURES}
+    return {"instructions": measurements[-1].get("instructions"), **best}
+
+
+def limits_text(best: dict, sources: list[str], rows: dict, keys: list, letters: dict) -> str:
+    """The host's AVX2 + FMA limits, and on each float32 row each engine's GFLOP/s as a fraction of
+    the 2-thread FMA limit and its GB/s of the 2-thread memory stream (an int4 row's arithmetic is
+    integer dot products, not f32 FMAs, so it is left out)."""
+    two = best.get("2t") or best.get("1t") or {}
+    per = "; ".join(f"{t}: FMA {v['fma_gflops']} GFLOP/s, L1 loads {v['l1_load_gbps']} GB/s, memory stream "
+                    f"{v['stream_gbps']} GB/s" for t, v in best.items() if isinstance(v, dict))
+    lines = [f"This host's AVX2 + FMA limits (benchmarks/hostlimits, {best.get('instructions')}; each figure the "
+             f"best that runs {', '.join(f'**{x}**' for x in sources)} measured; 1t / 2t = threads): {per}.", ""]
+    engines = [e for e in ENGINES if any(e in rows[k][1] for k in keys)]
+    head = ["shape", "bench", "dtype", "FLOP/token", "bytes/token",
+            *(f"{ENGINE_NAMES[e]} GFLOP/s (% FMA) · GB/s (% stream)" for e in engines), "run"]
+    table = []
+    for k in keys:
+        res, figs = rows[k]
+        w = (res.data.get("limits") or {}).get("/".join(k))
+        if k[2] != "float32" or not w:
+            continue
+        cells = [*k, f"{w['flops_per_token'] / 1e6:.0f} M", f"{w['bytes_per_token'] / 1e6:.1f} MB"]
+        for e in engines:
+            f = figs.get(e)
+            if not f or not f["value"] or f["unit"] != "tok/s":
+                cells.append("-")
+                continue
+            gflops, gbps = f["value"] * w["flops_per_token"] / 1e9, f["value"] * w["bytes_per_token"] / 1e9
+            cells.append(f"{gflops:.0f} ({gflops / two['fma_gflops']:.0%}) · {gbps:.1f} ({gbps / two['stream_gbps']:.0%})")
+        table.append("| " + " | ".join([*cells, letters[res.path]]) + " |")
+    if table:
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *table, ""]
+    return "\n".join(lines)
 
 
 def cap_line(engine: str, check: dict) -> str:
@@ -168,36 +216,6 @@ def cap_line(engine: str, check: dict) -> str:
     wider = f"; still wider: {check['uncapped']}" if check.get("uncapped") else ""
     return f"- {ENGINE_NAMES.get(engine, engine)}: {check.get('how') or '?'}. {state}" + (
         f" ({'; '.join(seen)})" if seen else "") + wider + "."
-
-
-def limits_text(letter: str, res: Result) -> str:
-    """The host's AVX2 + FMA limits of one run and each engine's rate on each row as a fraction of
-    them: GFLOP/s against the FMA limit on 2 threads, GB/s against the memory stream on 2 threads."""
-    hl, lim = res.data["host_limits"], res.data.get("limits") or {}
-    two = hl.get("2t") or hl.get("1t") or {}
-    per = "; ".join(f"{t}: FMA {v['fma_gflops']} GFLOP/s, L1 loads {v['l1_load_gbps']} GB/s, memory stream "
-                    f"{v['stream_gbps']} GB/s" for t, v in hl.items() if isinstance(v, dict))
-    lines = [f"This host's AVX2 + FMA limits (run **{letter}**, benchmarks/hostlimits, {hl.get('instructions')}, "
-             f"{hl.get('statistic')}; 1t / 2t = threads): {per}.", ""]
-    figs = {(f["shape"], f["bench"], f["dtype"], f["engine"]): f for f in res.data["figures"]}
-    engines = [e for e in ENGINES if any(k[3] == e and figs[k]["value"] for k in figs)]
-    head = ["shape", "bench", "dtype", "FLOP/token", "bytes/token",
-            *(f"{ENGINE_NAMES[e]} GFLOP/s (% FMA) · GB/s (% stream)" for e in engines)]
-    rows = []
-    for key, w in sorted(lim.items(), key=lambda kv: sort_key(tuple(kv[0].split("/")))):
-        shape, bench, dtype = key.split("/")
-        cells = [shape, bench, dtype, f"{w['flops_per_token'] / 1e6:.0f} M", f"{w['bytes_per_token'] / 1e6:.1f} MB"]
-        for e in engines:
-            f = figs.get((shape, bench, dtype, e))
-            if not f or not f["value"] or f["unit"] != "tok/s":
-                cells.append("-")
-                continue
-            gflops, gbps = f["value"] * w["flops_per_token"] / 1e9, f["value"] * w["bytes_per_token"] / 1e9
-            cells.append(f"{gflops:.0f} ({gflops / two['fma_gflops']:.0%}) · {gbps:.1f} ({gbps / two['stream_gbps']:.0%})")
-        rows.append("| " + " | ".join(cells) + " |")
-    if rows:
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows, ""]
-    return "\n".join(lines)
 
 
 def render(results: list[Result]) -> str:
