@@ -82,13 +82,25 @@ def llamacpp_build(isa: str) -> str:
     return "avx2" if isa == "avx2" else "native"
 
 
+REEXEC_MARK = "TINYLLM_COMPARE_ISA"  # set by reexec_env: compare's caps are its own, not the user's
+
+
 def reexec_env(isa: str, environ: dict) -> dict | None:
     """The environment compare must re-execute itself with so torch loads capped, or None when
     ``environ`` already has it."""
     need = tinyllm_env(isa)
     if all(environ.get(k) == v for k, v in need.items()):
         return None
-    return dict(environ) | need
+    return dict(environ) | need | {REEXEC_MARK: isa}
+
+
+def worker_env(environ: dict, engine_isa: str) -> dict:
+    """The environment a worker starts from: compare's own, less the torch caps compare set for
+    itself (reexec_env) when this engine is left uncapped, so they do not reach it."""
+    if engine_isa != "native" or REEXEC_MARK not in environ:
+        return dict(environ)
+    mine = set(tinyllm_env(environ[REEXEC_MARK])) | {REEXEC_MARK}
+    return {k: v for k, v in environ.items() if k not in mine}
 
 
 UNCAPPED_HOW = "not capped (compare --uncapped): its native paths, AVX-512 on this host, with the capped CPU's precisions"

@@ -74,4 +74,4 @@ class OpenVINOEngine(WorkerEngine):
 
 
 def openvino_env(isa_name: str) -> dict:
-    return os.environ | {"PYTHONUNBUFFERED": "1"} | isa.openvino_env(isa_name)
+    return isa.worker_env(os.environ, isa_name) | {"PYTHONUNBUFFERED": "1"} | isa.openvino_env(isa_name)

@@ -25,7 +25,7 @@ def vllm_settings(kv_gib: int) -> dict:
 
 
 def vllm_env(kv_gib: int, isa_name: str = "native") -> dict:
-    env = os.environ | vllm_settings(kv_gib)
+    env = isa.worker_env(os.environ, isa_name) | vllm_settings(kv_gib)
     return env | isa.vllm_env(isa_name, env)
 
 

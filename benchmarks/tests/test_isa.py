@@ -49,7 +49,7 @@ def test_compare_reexecutes_until_torch_would_load_capped():
     """Torch reads its caps when it loads, so compare runs again with them; once they are in the
     environment (the re-executed process) it goes on."""
     first = isa.reexec_env("avx2", {"PATH": "/bin", "ATEN_CPU_CAPABILITY": "default"})
-    assert first is not None and first["PATH"] == "/bin"
+    assert first is not None and first["PATH"] == "/bin" and first[isa.REEXEC_MARK] == "avx2"
     assert all(first[k] == v for k, v in isa.tinyllm_env("avx2").items())
     assert isa.reexec_env("avx2", first) is None
 
@@ -220,3 +220,17 @@ def test_an_engine_left_uncapped_runs_natively_and_its_record_says_so(capsys):
     rec = record(cmp, [], datetime(2026, 12, 6, tzinfo=timezone.utc), None)
     ov = rec["isa"]["engines"]["openvino"]
     assert ov["how"] == isa.UNCAPPED_HOW and ov["ok"] is False and rec["isa"]["uncapped"] == ["openvino"]
+
+
+def test_an_uncapped_worker_gets_none_of_the_caps_compare_set_for_itself(monkeypatch):
+    """compare re-executes itself with torch's caps; a worker it leaves uncapped must not inherit
+    them (OpenVINO's oneDNN would still be capped), while a cap the user set stays theirs."""
+    capped_compare = isa.reexec_env("avx2", {"PATH": "/bin"})
+    monkeypatch.setattr(os, "environ", capped_compare)
+    ov_native, ov_capped = openvino_env("native"), openvino_env("avx2")
+    assert "ONEDNN_MAX_CPU_ISA" not in ov_native and "ATEN_CPU_CAPABILITY" not in ov_native
+    assert ov_native["PATH"] == "/bin" and isa.REEXEC_MARK not in ov_native
+    assert ov_capped["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert "ATEN_CPU_CAPABILITY" not in vllm_env(1, "native") and vllm_env(1, "avx2")["ATEN_CPU_CAPABILITY"] == "avx2"
+    users_own = {"PATH": "/bin", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}  # no compare cap: left alone
+    assert isa.worker_env(users_own, "native") == users_own
