@@ -230,10 +230,13 @@ def render(results: list[Result]) -> str:
 
 def summary(results: list[Result]) -> str:
     """The front page's table: per CPU class and precision, the 135m shape's W1 and W2 as tinyllm's
-    ratio to each other engine (from the same rows as the full tables)."""
+    ratio to each other engine (from the same rows as the full tables). Runs capped to AVX2 on a
+    wider host are left to docs/performance.md: they approximate another CPU, with caveats per
+    engine that a one-line summary cannot carry."""
     classes: dict[str, list[Result]] = {}
     for res in results:
-        classes.setdefault(res.cpu_class, []).append(res)
+        if not is_capped(res):
+            classes.setdefault(res.cpu_class, []).append(res)
     others = ("openvino", "vllm", "llamacpp")
     head = ["CPU", "dtype", "tinyllm W1 tok/s", *(f"/ {ENGINE_NAMES[e]} (W1, W2)" for e in others), "recorded"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -188,3 +188,13 @@ def test_the_limits_are_the_best_any_capped_run_measured():
     best = best_limits([busy, quiet])
     assert best["2t"] == {"fma_gflops": 250.0, "l1_load_gbps": 480.0, "stream_gbps": 79.0}
     assert best["1t"] == {"fma_gflops": 130.0, "l1_load_gbps": 240.0, "stream_gbps": 40.0}
+
+
+def test_the_front_page_summary_leaves_capped_runs_out(tmp_path):
+    from benchmarks.report import summary
+    store(tmp_path, "native.json", record("2026-12-06", [fig("W1", "tinyllm", 300.0), fig("W1", "openvino", 200.0)]))
+    store(tmp_path, "capped.json", record("2026-12-06T06:00:00Z", [fig("W1", "tinyllm", 100.0)],
+                                          cpu=CPU | {"isa_cap": "avx2"}))
+    text = summary(load(tmp_path))
+    assert "| Zen 4 · AVX-512 + AVX512-BF16, no AMX | float32 | 300.0 | 1.50x, - |" in text
+    assert "AVX2 + FMA paths" not in text
