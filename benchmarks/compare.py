@@ -92,6 +92,15 @@ row's rounds with every engine closed and merged with the cached one (each rate 
 machine has reached: a busy moment can only lower a measurement). llama.cpp's rows are batched-bench at
 the mean prompt length, so its figures are that approximation of the same work.
 
+Capped to AVX2 (``--isa avx2``, on an AVX-512 host): every engine takes the AVX2 + FMA paths an
+AVX2-only CPU takes, as far as it can be made to (benchmarks/isa.py says how, per engine): tinyllm's
+kernels built for Haswell and torch capped (compare re-executes itself with the environment torch
+reads when it loads), OpenVINO GenAI's oneDNN capped, vLLM's AVX2 build of its ops, a separate
+llama.cpp build without AVX-512. Each cap is verified in the run and stored with the result (and
+what could not be capped is named there), the OpenVINO int4 row computes in f32 as on a CPU
+without bf16 instructions, and this host's AVX2 limits (benchmarks/hostlimits) are measured at the
+end and stored too. Its results form a CPU class of their own.
+
 Runs are interleaved (round robin over engines inside each repeat) and the median of ``--repeat``
 runs is reported. Engines stay loaded for a whole row when their copies of the weights fit in
 memory; otherwise (the 1.5b shape in f32) each is started and closed inside every round, start-up
@@ -119,13 +128,14 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import results
+from . import isa, results
 from .common import BENCHES, DEFAULT_DTYPES, DTYPES, ENGINE_NAMES, ENGINES, INT4, REPO, Skip, lazy, log
 from .comparison import Comparison
 from .engines.llamacpp import LLAMACPP_Q4, quantize_gguf
 from .engines.openvino import openvino_export
 from .gguf_writer import write_gguf
 from .guard import GUARD
+from .isa import ISAS
 from .machine import cpu_info, cpu_label
 from .models import SHAPES, default_gguf, make_hf_dir
 from .runs import run_batched, run_e2e, run_single
@@ -167,6 +177,12 @@ def parse_args(argv=None):
     p.add_argument("--setup-only", action="store_true",
                    help="install/build the chosen external engines and write every model file the chosen "
                         "shapes and dtypes need, then exit without measuring")
+    p.add_argument("--isa", default="native", choices=ISAS,
+                   help="instruction set every engine is capped to (avx2: the AVX2 + FMA paths of an AVX-512 "
+                        "host; see benchmarks/isa.py for how each engine is capped and verified)")
+    p.add_argument("--uncapped", default="", help=f"with --isa: comma list of {','.join(isa.UNCAPPABLE)} left on "
+                                                  "their native paths (an engine that cannot run capped; its rows "
+                                                  "say so), their precisions still those of the capped CPU")
     p.add_argument("--ov-int4-group", type=int, default=128,
                    help="NNCF int4 group size for OpenVINO's int4 export (optimum-cli's default, 128)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (the same ids `tinyllm bench` draws)")
@@ -179,6 +195,9 @@ def parse_args(argv=None):
     a.workloads = _choices(a.workloads, BENCHES, "--workloads", p)
     a.dtypes = _choices(a.dtypes, DTYPES, "--dtypes", p)
     a.shapes = _choices(a.shapes, tuple(SHAPES), "--shapes", p)
+    a.uncapped = _choices(a.uncapped, isa.UNCAPPABLE, "--uncapped", p) if a.uncapped else []
+    if a.uncapped and a.isa == "native":
+        p.error("--uncapped leaves engines out of an --isa cap: give --isa too")
     try:
         a.kv_gib = parse_kv_gib(a.kv_gib)
     except ValueError as e:
@@ -233,7 +252,8 @@ def context(a) -> dict:
     models = a.cache_dir / "models"
     install = not a.no_setup
     hf_dir = lazy(lambda shape: a.hf_dir if shape == "135m" and a.hf_dir else make_hf_dir(shape, models))
-    llamacpp = lazy(lambda: llamacpp_bin(a.cache_dir, install))
+    llamacpp = lazy(lambda: llamacpp_bin(a.cache_dir, install,
+                                         isa.llamacpp_build(isa.engine_isa(a.isa, "llamacpp", a.uncapped))))
     ov_py = lazy(lambda: openvino_python(a.cache_dir, install))
 
     def gguf(shape, dtype):
@@ -327,9 +347,34 @@ def store_result(cmp: Comparison, argv: list[str], started: datetime, interrupte
     return True
 
 
+def reexec_capped(a, argv: list[str]) -> None:
+    """Under ``--isa avx2``, run this comparison again in a process whose torch loads capped
+    (isa.tinyllm_env: read once, when torch loads); returns only when this process already is."""
+    env = isa.reexec_env(a.isa, os.environ)
+    if env is None:
+        return
+    log(f"--isa {a.isa}: running again with " + " ".join(f"{k}={v}" for k, v in isa.tinyllm_env(a.isa).items()))
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.compare", *argv], env)
+
+
+def host_limits(cmp: Comparison) -> None:
+    """This host's AVX2 + FMA limits (benchmarks/hostlimits), measured after the rows with every
+    engine closed, stored with the result; under --isa avx2 only."""
+    if cmp.args.isa != "avx2" or cmp.args.quick:
+        return
+    from .hostlimits import measure
+    try:
+        log("measuring this host's AVX2 + FMA limits (FMA, L1 loads, memory stream) ...")
+        cmp.host_limits = measure()
+    except Exception as e:  # noqa: BLE001 (the figures stand without the limits)
+        log(f"the host limits could not be measured: {type(e).__name__}: {e}")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
+    reexec_capped(a, argv)
     started = datetime.now(timezone.utc)
     interrupt_on_termination()
     cpu = cpu_info()
@@ -348,6 +393,7 @@ def main(argv=None) -> int:
         run_batched(cmp, ctx)
         run_single(cmp, ctx)
         run_e2e(cmp, ctx)
+        host_limits(cmp)
     except KeyboardInterrupt:
         log("interrupted: the table shows what was measured so far")
         code = 130

@@ -43,6 +43,8 @@ class Comparison:
         self.versions: dict[str, str] = {}
         self.runtimes: dict[tuple, tuple] = {}  # (shape, dtype) -> tinyllm's (runtime, weight bytes, K/V bytes)
         self.limits: dict[tuple, dict] = {}  # (shape, bench, dtype) -> workload_limit()
+        self.isa_checks: dict[str, dict] = {}  # engine -> what verified its --isa cap (isa.py), first run
+        self.host_limits: dict | None = None  # hostlimits.measure() under --isa avx2
 
     def cell(self, bench: str, dtype: str, engine: str, unit: str = "tok/s", shape: str = "135m") -> Cell:
         key = (shape, bench, dtype, engine)
@@ -74,6 +76,7 @@ class Comparison:
                 "skipped": self.notes,
                 "agreement_vs_transformers": {"/".join(k): v for k, v in self.agreement.items()},
                 "limits": {"/".join(k): v for k, v in self.limits.items()},
+                "isa": self.args.isa, "isa_checks": self.isa_checks, "host_limits": self.host_limits,
                 "cells": [{"shape": c.shape, "bench": c.bench, "dtype": c.dtype, "engine": c.engine, "unit": c.unit,
                            "median": c.median, "values": c.values, "runs": c.runs, "note": c.note}
                           for c in self.cells.values()]}

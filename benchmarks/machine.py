@@ -62,7 +62,11 @@ def cpu_features(c: dict) -> str:
 
 def cpu_class(c: dict) -> str:
     """What results are grouped by: the core generation (lscpu's model name where it is unknown)
-    and the instruction sets, e.g. "Zen 4 · AVX-512 + AVX512-BF16, no AMX"."""
+    and the instruction sets, e.g. "Zen 4 · AVX-512 + AVX512-BF16, no AMX"; a run capped to an
+    instruction set (``isa_cap``, compare --isa) is a class of its own, e.g. "Zen 5 · AVX2 + FMA
+    paths on an AVX-512 + AVX512-BF16, no AMX host"."""
+    if c.get("isa_cap") == "avx2":
+        return f"{c.get('uarch') or c['model_name']} · AVX2 + FMA paths on an {cpu_features(c)} host"
     return f"{c.get('uarch') or c['model_name']} · {cpu_features(c)}"
 
 

@@ -3,7 +3,9 @@ stored results (``benchmarks/results/*.json``, see results.py) as markdown on st
 the front page's short table; ``--serving``: the serving comparison, serving_results.py);
 ``--write FILE`` puts each between the file's markers instead.
 
-One table per CPU class. Invariant: each row (shape, bench, dtype) comes whole from the latest
+One table per CPU class; a class of runs capped to AVX2 on a wider host (``compare --isa avx2``)
+also shows greedy agreement, how each engine was capped and what verified it, the host's AVX2
+limits and each engine's fraction of them (render_capped). Invariant: each row (shape, bench, dtype) comes whole from the latest
 run that measured it, so the figures and ratios of a row are always from one run (figures of
 different runs are never divided); its ``run`` column names that run, described under the table.
 """
@@ -14,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .agreement import agreement_text
 from .common import ENGINE_NAMES, ENGINES
 from .results import RESULTS_DIR, Result, ResultError, load
 from .serving_results import BEGIN as SERVING_BEGIN
@@ -94,17 +97,18 @@ def run_line(letter: str, res: Result) -> str:
     return line + "".join(f" {n.rstrip('.')}." for n in notes)
 
 
-def render_class(cls: str, results: list[Result]) -> str:
-    """The markdown of one CPU class: heading, table, then the runs its rows come from."""
+def render_class(cls: str, results: list[Result], agree: bool = False) -> str:
+    """The markdown of one CPU class: heading, table (``agree``: with each engine's greedy
+    agreement), then the runs its rows come from."""
     rows = latest_rows(results)
     keys = sorted(rows, key=sort_key)
     engines = [e for e in ENGINES if any(e in rows[k][1] for k in keys)]
     others = sorted((e for e in engines if e != "tinyllm"), key=lambda e: e == "hf")  # transformers last
-    letters: dict[Path, str] = {}
-    for k in keys:
-        letters.setdefault(rows[k][0].path, LETTERS[len(letters)])
+    agreeing = [e for e in engines if agree and any("agree" in rows[k][1].get(e, {}) for k in keys)]
+    letters = run_letters(rows, keys)
     head = ["shape", "bench", "dtype", "unit", *(ENGINE_NAMES[e] for e in engines),
-            *(f"/ {ENGINE_NAMES[e]}" for e in others if "tinyllm" in engines), "run"]
+            *(f"/ {ENGINE_NAMES[e]}" for e in others if "tinyllm" in engines),
+            *(f"agree {ENGINE_NAMES[e]}" for e in agreeing), "run"]
     lines = [f"### {cls}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in keys:
         res, figs = rows[k]
@@ -112,10 +116,106 @@ def render_class(cls: str, results: list[Result]) -> str:
         cells = [*k, unit, *(fmt(figs[e]["value"]) if e in figs else "-" for e in engines)]
         if "tinyllm" in engines:
             cells += [ratio(figs.get("tinyllm"), figs.get(e)) for e in others]
+        cells += [agreement_text(figs.get(e, {}).get("agree")) for e in agreeing]
         lines.append("| " + " | ".join([*cells, letters[res.path]]) + " |")
     by_path = {r.path: r for r in results}
     lines += [""] + [run_line(letter, by_path[p]) for p, letter in letters.items()]
     return "\n".join(lines) + "\n"
+
+
+def run_letters(rows: dict, keys: list) -> dict[Path, str]:
+    """a, b, c, ... for the runs the rows come from, in the rows' order."""
+    letters: dict[Path, str] = {}
+    for k in keys:
+        letters.setdefault(rows[k][0].path, LETTERS[len(letters)])
+    return letters
+
+
+def is_capped(res: Result) -> bool:
+    return bool(res.data["cpu"].get("isa_cap"))
+
+
+def render_capped(cls: str, results: list[Result]) -> str:
+    """A class of runs capped to AVX2 on a wider host (compare --isa avx2): the table with greedy
+    agreement, then per run how each engine was capped and what verified it; then this host's AVX2
+    limits (the best each run measured: a busy moment can only lower a measurement) and, on the
+    float32 rows, each engine's rates as fractions of them."""
+    rows = latest_rows(results)
+    keys = sorted(rows, key=sort_key)
+    letters = run_letters(rows, keys)
+    by_path = {r.path: r for r in results}
+    out = [render_class(cls, results, agree=True)]
+    for path, letter in letters.items():
+        res = by_path[path]
+        out.append(f"How each engine was capped in run **{letter}**, and what verified it:\n\n"
+                   + "\n".join(cap_line(e, c) for e, c in res.data.get("isa", {}).get("engines", {}).items()) + "\n")
+    measured = [(letter, by_path[p]) for p, letter in letters.items() if by_path[p].data.get("host_limits")]
+    if measured:
+        best = best_limits([res.data["host_limits"] for _, res in measured])
+        out.append(limits_text(best, [letter for letter, _ in measured], rows, keys, letters))
+    return "\n".join(out)
+
+
+FIGURES = ("fma_gflops", "l1_load_gbps", "stream_gbps")
+
+
+def best_limits(measurements: list[dict]) -> dict:
+    """Per thread count (``1t``, ``2t``), each figure the best any measurement reached."""
+    best: dict[str, dict] = {}
+    for hl in measurements:
+        for t, v in hl.items():
+            if isinstance(v, dict):
+                best[t] = {k: max(best.get(t, {}).get(k, 0.0), v[k]) for k in FIGURES}
+    return {"instructions": measurements[-1].get("instructions"), **best}
+
+
+def limits_text(best: dict, sources: list[str], rows: dict, keys: list, letters: dict) -> str:
+    """The host's AVX2 + FMA limits, and on each float32 row each engine's GFLOP/s as a fraction of
+    the 2-thread FMA limit and its GB/s of the 2-thread memory stream (an int4 row's arithmetic is
+    integer dot products, not f32 FMAs, so it is left out)."""
+    two = best.get("2t") or best.get("1t") or {}
+    per = "; ".join(f"{t}: FMA {v['fma_gflops']} GFLOP/s, L1 loads {v['l1_load_gbps']} GB/s, memory stream "
+                    f"{v['stream_gbps']} GB/s" for t, v in best.items() if isinstance(v, dict))
+    lines = [f"This host's AVX2 + FMA limits (benchmarks/hostlimits, {best.get('instructions')}; each figure the "
+             f"best that runs {', '.join(f'**{x}**' for x in sources)} measured; 1t / 2t = threads): {per}.", ""]
+    engines = [e for e in ENGINES if any(e in rows[k][1] for k in keys)]
+    head = ["shape", "bench", "dtype", "FLOP/token", "bytes/token",
+            *(f"{ENGINE_NAMES[e]} GFLOP/s (% FMA) · GB/s (% stream)" for e in engines), "run"]
+    table = []
+    for k in keys:
+        res, figs = rows[k]
+        w = (res.data.get("limits") or {}).get("/".join(k))
+        if k[2] != "float32" or not w:
+            continue
+        cells = [*k, f"{w['flops_per_token'] / 1e6:.0f} M", f"{w['bytes_per_token'] / 1e6:.1f} MB"]
+        for e in engines:
+            f = figs.get(e)
+            if not f or not f["value"] or f["unit"] != "tok/s":
+                cells.append("-")
+                continue
+            gflops, gbps = f["value"] * w["flops_per_token"] / 1e9, f["value"] * w["bytes_per_token"] / 1e9
+            cells.append(f"{gflops:.0f} ({gflops / two['fma_gflops']:.0%}) · {gbps:.1f} ({gbps / two['stream_gbps']:.0%})")
+        table.append("| " + " | ".join([*cells, letters[res.path]]) + " |")
+    if table:
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *table, ""]
+    return "\n".join(lines)
+
+
+def cap_line(engine: str, check: dict) -> str:
+    """One engine's cap as stored (results.capped_parts): how, whether verified, what was wider."""
+    state = {True: "verified", False: "**not fully capped**", None: "not verified in this run"}[check.get("ok")]
+    seen = [f"{k} {', '.join(v) if isinstance(v, list) else v}" for k, v in check.items()
+            if k in ("panel_isa", "torch_cpu_capability", "vllm_c_libs")]
+    probe = check.get("torch_probe") or {}
+    if probe.get("onednn_isa"):
+        seen.append(f"oneDNN reports {probe['onednn_isa']}")
+    if "nodes_by_isa" in check:
+        seen.append("CPU plugin nodes by ISA " + ", ".join(f"{k}: {v}" for k, v in check["nodes_by_isa"].items()))
+    if "system_info" in check:
+        seen.append("system_info " + ", ".join(k for k, v in check["system_info"].items() if v))
+    wider = f"; still wider: {check['uncapped']}" if check.get("uncapped") else ""
+    return f"- {ENGINE_NAMES.get(engine, engine)}: {check.get('how') or '?'}. {state}" + (
+        f" ({'; '.join(seen)})" if seen else "") + wider + "."
 
 
 def render(results: list[Result]) -> str:
@@ -124,15 +224,19 @@ def render(results: list[Result]) -> str:
     for res in results:
         classes.setdefault(res.cpu_class, []).append(res)
     order = sorted(classes, key=lambda c: max(r.order for r in classes[c]), reverse=True)
-    return "\n".join(render_class(c, classes[c]) for c in order)
+    return "\n".join(render_capped(c, classes[c]) if any(map(is_capped, classes[c])) else render_class(c, classes[c])
+                     for c in order)
 
 
 def summary(results: list[Result]) -> str:
     """The front page's table: per CPU class and precision, the 135m shape's W1 and W2 as tinyllm's
-    ratio to each other engine (from the same rows as the full tables)."""
+    ratio to each other engine (from the same rows as the full tables). Runs capped to AVX2 on a
+    wider host are left to docs/performance.md: they approximate another CPU, with caveats per
+    engine that a one-line summary cannot carry."""
     classes: dict[str, list[Result]] = {}
     for res in results:
-        classes.setdefault(res.cpu_class, []).append(res)
+        if not is_capped(res):
+            classes.setdefault(res.cpu_class, []).append(res)
     others = ("openvino", "vllm", "llamacpp")
     head = ["CPU", "dtype", "tinyllm W1 tok/s", *(f"/ {ENGINE_NAMES[e]} (W1, W2)" for e in others), "recorded"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

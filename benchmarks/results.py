@@ -12,7 +12,11 @@ A result file (schema 1) holds:
   was copied from) and free-text ``notes``;
 - ``figures``: one per engine x shape x workload x dtype: ``value`` (the median, or the mean where
   ``settings.statistic`` says so; null with a ``note`` when the engine could not run), ``unit``
-  and, for measured runs, every round's ``values`` and the greedy ``agree``ment.
+  and, for measured runs, every round's ``values`` and the greedy ``agree``ment;
+- only for a capped run (``settings.isa`` other than ``native``, ``cpu.isa_cap``): ``isa`` (per
+  engine: ``how`` it was capped, ``ok`` whether that was verified, what verified it, and
+  ``uncapped``: what still ran wider), ``host_limits`` (benchmarks/hostlimits) and ``limits``
+  (per ``shape/bench/dtype``: the work per total token, runs.workload_limit).
 
 Invariants: a file is never rewritten once committed (a new run is a new file); a field the run
 did not record is null, never guessed. ``load`` refuses a file that breaks the schema, naming it.
@@ -28,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .common import ENGINES, REPO
+from .isa import HOW, UNCAPPED_HOW
 from .machine import cpu_class
 from .models import kv_gib
 
@@ -104,14 +109,28 @@ def record(cmp, argv: list[str], now: datetime, commit: str | None, interrupted:
     settings = {"command": " ".join(["python -m benchmarks.compare", *argv]), "statistic": "median",
                 "rounds": a.repeat, "interleaved": True, "threads": 2, "quick": a.quick,
                 "kv_gib": {s: kv_gib(a, s) for s in a.shapes},
-                "config": _rel(a.config), "batch_config": _rel(a.batch_config)}
+                "config": _rel(a.config), "batch_config": _rel(a.batch_config), "isa": a.isa}
     notes = [f"{e} skipped: {n}" for e, n in cmp.notes.items()]
+    cpu = cmp.cpu | ({"isa_cap": a.isa} if a.isa != "native" else {})
     if interrupted:
         notes.append("interrupted: the figures are the rounds measured before it stopped")
     return {"schema": SCHEMA, "recorded": now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "commit": commit, "cpu": cmp.cpu | {"cpu_class": cpu_class(cmp.cpu)},
+            "commit": commit, "cpu": cpu | {"cpu_class": cpu_class(cpu)},
             "versions": library_versions() | dict(cmp.versions), "settings": settings, "source": "measured",
-            "figures": figures, "notes": notes}
+            "figures": figures, "notes": notes} | capped_parts(cmp)
+
+
+def capped_parts(cmp) -> dict:
+    """Under --isa: how each engine was capped and what verified it (``isa``), this host's limits
+    (``host_limits``) and each row's work per token (``limits``), for the report's AVX2 table."""
+    a = cmp.args
+    if a.isa == "native":
+        return {}
+    engines = sorted({c.engine for c in cmp.cells.values()} | set(cmp.isa_checks))
+    how = {e: UNCAPPED_HOW if e in a.uncapped else HOW.get(e) for e in engines}
+    return {"isa": {"isa": a.isa, "uncapped": list(a.uncapped),
+                    "engines": {e: {"how": how[e]} | cmp.isa_checks.get(e, {"ok": None}) for e in engines}},
+            "host_limits": cmp.host_limits, "limits": {"/".join(k): v for k, v in cmp.limits.items()}}
 
 
 def _rel(path: Path | None) -> str | None:

@@ -21,6 +21,7 @@ from .engines.openvino import OpenVINOEngine, ov_precision
 from .engines.tinyllm import TinyEngine, tinyllm_e2e, tinyllm_single
 from .engines.vllm import VLLMEngine, vllm_e2e, vllm_model_len
 from .guard import WorkerEngine
+from .isa import capped_cpu, engine_isa
 from .machine import mem_available
 from .models import default_gguf, kv_gib
 from .workloads import make_prompts, shape_prompts, total_tokens
@@ -48,17 +49,20 @@ def row_factories(cmp: Comparison, ctx: dict, shape: str, dtype: str) -> dict:
     if dtype == INT4:
         return {"tinyllm": lambda: TinyEngine(str(ctx["q4_gguf"](shape)), None, a.config, kv),
                 "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "int4"),
-                                                   ov_precision(dtype, cmp.cpu), a.cache_dir / "openvino-runs.log",
-                                                   kv, a.vllm_timeout),
+                                                   ov_precision(dtype, capped_cpu(cmp.cpu, a.isa)),
+                                                   a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout,
+                                                   engine_isa(a.isa, "openvino", a.uncapped), a.isa != "native"),
                 "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
     hf_dir = ctx["hf_dir"](shape)
     return {"tinyllm": lambda: TinyEngine(str(hf_dir), dtype, a.batch_config, kv),
             "hf": lambda: HFEngine(hf_dir, dtype),
             "openvino": lambda: OpenVINOEngine(ctx["ov_py"](), ctx["ov_dir"](shape, "fp32"),
-                                               ov_precision(dtype, cmp.cpu), a.cache_dir / "openvino-runs.log",
-                                               kv, a.vllm_timeout),
+                                               ov_precision(dtype, capped_cpu(cmp.cpu, a.isa)),
+                                               a.cache_dir / "openvino-runs.log", kv, a.vllm_timeout,
+                                               engine_isa(a.isa, "openvino", a.uncapped), a.isa != "native"),
             "vllm": lambda: VLLMEngine(ctx["vllm_py"](), hf_dir, dtype, a.cache_dir / "vllm-runs.log", kv,
-                                       a.vllm_timeout, vllm_model_len(ctx["workloads"], a.workloads)),
+                                       a.vllm_timeout, vllm_model_len(ctx["workloads"], a.workloads),
+                                       engine_isa(a.isa, "vllm", a.uncapped)),
             "llamacpp": lambda: LlamaCppEngine(ctx["llamacpp"](), row_gguf(ctx, shape, dtype))}
 
 
@@ -168,6 +172,7 @@ def run_rounds(cmp: Comparison, ctx: dict, factories: dict, prompts: dict, shape
                         cmp.cell(b, dtype, name, "tok/s", shape).note = str(eng)
                         continue
                     run_one(cmp, ctx, eng, name, shape, b, dtype, prompts[b], r)
+                    note_isa(cmp, name, eng)
                 if not warm and not isinstance(eng, Skip):
                     eng.close()
                     del engines[name]
@@ -182,6 +187,19 @@ def run_rounds(cmp: Comparison, ctx: dict, factories: dict, prompts: dict, shape
                 eng.close()
         engines.clear()
         gc.collect()
+
+
+def note_isa(cmp: Comparison, name: str, eng) -> None:
+    """Under --isa, what verified engine ``name``'s cap (its ``isa_check``, see isa.py), taken once,
+    after its first run (llama.cpp prints its features when it runs); logged when not capped."""
+    if cmp.args.isa == "native" or name in cmp.isa_checks or not hasattr(eng, "isa_check"):
+        return
+    check = eng.isa_check()
+    if check is None:
+        return
+    cmp.isa_checks[name] = check
+    log(f"{ENGINE_NAMES[name]} --isa {cmp.args.isa}: " + (
+        "capped (verified)" if check["ok"] else f"not capped: {check.get('uncapped', '?')}"))
 
 
 def only(engines: dict, name: str) -> None:
@@ -321,7 +339,7 @@ def run_e2e(cmp: Comparison, ctx: dict) -> None:
             if "vllm" in a.engines and "vllm" not in cmp.notes:
                 res = cmp.attempt("e2e", dtype, "vllm", "s", lambda: vllm_e2e(
                     ctx["vllm_py"](), hf_dir, dtype, prompts, wl.output_len, ctx["work"],
-                    a.cache_dir / "vllm-runs.log", kv_gib(a, "135m")))
+                    a.cache_dir / "vllm-runs.log", kv_gib(a, "135m"), engine_isa(a.isa, "vllm", a.uncapped)))
                 if res:
                     cmp.add("e2e", dtype, "vllm", res["wall_s"], res, "s")
                     cmp.add("start-up", dtype, "vllm", res["to_generate_s"], res, "s")

@@ -84,32 +84,53 @@ def openvino_version(py: Path) -> str:
     return out.stdout.strip() or "unknown"
 
 
-def llamacpp_bin(cache: Path, install: bool) -> Path:
-    """The directory with llama-bench, llama-batched-bench, llama-quantize and llama-server, building
-    them when missing from the llama.cpp tree vendored in the llama-cpp-python sdist (cmake, native
-    CPU flags, 2 jobs)."""
+# The configure flags of each llama.cpp build (``--isa``): "native" is tuned for this CPU (the
+# serving comparison and the native table use it); "avx2" is the AVX2 + FMA build of an
+# AVX-512 host: the instruction sets of a Haswell-class x86 (SSE4.2, AVX, AVX2, BMI2, FMA, F16C),
+# every AVX-512 and AMX option off, in a build directory of its own so the native one stays.
+LLAMACPP_BUILDS = {
+    "native": ("build", ["-DGGML_NATIVE=ON"], LLAMACPP_TOOLS),
+    "avx2": ("build-avx2", ["-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                            "-DGGML_BMI2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX_VNNI=OFF",
+                            "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF",
+                            "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+                            "-DGGML_AMX_BF16=OFF", "-DGGML_CPU_ALL_VARIANTS=OFF", "-DGGML_BACKEND_DL=OFF"],
+             ("llama-bench", "llama-batched-bench", "llama-quantize")),
+}
+
+
+def llamacpp_configure(src: Path, isa: str = "native") -> list:
+    """The cmake configure command of one build (LLAMACPP_BUILDS)."""
+    build, flags, _ = LLAMACPP_BUILDS[isa]
+    # No web UI for llama-server: its assets would be built with npm or downloaded from a Hugging
+    # Face bucket, and the build must reach nothing but the package registry.
+    return ["cmake", "-S", src, "-B", src / build, *flags, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_UI=OFF",
+            "-DLLAMA_USE_PREBUILT_UI=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+
+
+def llamacpp_bin(cache: Path, install: bool, isa: str = "native") -> Path:
+    """The directory with llama.cpp's tools of one build (LLAMACPP_BUILDS: llama-bench,
+    llama-batched-bench, llama-quantize, and llama-server in the native build), building them when
+    missing from the llama.cpp tree vendored in the llama-cpp-python sdist (cmake, 2 jobs)."""
     root = cache / "llamacpp"
     src = root / LLAMACPP_DIR / "vendor" / "llama.cpp"
-    bindir = src / "build" / "bin"
-    if all((bindir / t).exists() for t in LLAMACPP_TOOLS):
+    build, _, tools = LLAMACPP_BUILDS[isa]
+    bindir = src / build / "bin"
+    if all((bindir / t).exists() for t in tools):
         return bindir
     if not install:
         raise Skip(f"no llama.cpp build in {bindir} (run without --no-setup to build it)")
     root.mkdir(parents=True, exist_ok=True)
-    logfile = cache / "llamacpp-build.log"
-    log(f"building llama.cpp's {', '.join(LLAMACPP_TOOLS)} (15 minutes or so on 2 cores; log: {logfile}) ...")
+    logfile = cache / ("llamacpp-build.log" if isa == "native" else f"llamacpp-build-{isa}.log")
+    log(f"building llama.cpp's {', '.join(tools)} ({isa}; 15 minutes or so on 2 cores; log: {logfile}) ...")
     if not src.exists():
         if not run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                            LLAMACPP_SDIST, "-d", root], logfile):
             raise Skip(f"could not download the {LLAMACPP_SDIST} sdist (see {logfile})")
         with tarfile.open(next(root.glob("llama_cpp_python-*.tar.gz"))) as tar:
             tar.extractall(root, filter="data")
-    # No web UI for llama-server: its assets would be built with npm or downloaded from a Hugging
-    # Face bucket, and the build must reach nothing but the package registry.
-    configure = ["cmake", "-S", src, "-B", src / "build", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                 "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DCMAKE_BUILD_TYPE=Release"]
-    build = ["cmake", "--build", src / "build", "-j2", "--target", *LLAMACPP_TOOLS]
-    if not (run_logged(configure, logfile) and run_logged(build, logfile)):
+    cmd = ["cmake", "--build", src / build, "-j2", "--target", *tools]
+    if not (run_logged(llamacpp_configure(src, isa), logfile) and run_logged(cmd, logfile)):
         raise Skip(f"the llama.cpp build failed (see {logfile})")
     return bindir
 

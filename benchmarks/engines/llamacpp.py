@@ -14,6 +14,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from .. import isa
 from ..common import Run, Skip, log
 from ..venvs import run_logged
 
@@ -111,6 +112,10 @@ class LlamaCppEngine:
         r = rows[0]
         return Run(r["t"], r["n_kv"], None, {"pp": r["pp"], "tg": r["tg"], "pl": r["pl"], "speed": r["speed"],
                                              "t_pp": r["t_pp"], "t_tg": r["t_tg"], "repack": LLAMACPP_REPACK["on"]})
+
+    def isa_check(self) -> dict:
+        """The CPU features of the build it runs, checked against the AVX2 + FMA cap (isa.llamacpp_check)."""
+        return isa.llamacpp_check(isa.llamacpp_system_info(isa.llamacpp_features(self.bindir)))
 
     def close(self) -> None:
         pass

@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+from .. import isa
 from ..common import INT4, Skip, log
 from ..guard import WorkerEngine
 from ..venvs import run_logged
@@ -45,8 +46,8 @@ OV_PRECISION = {"float32": ("f32", "f32"), "bfloat16": ("bf16", "bf16"), INT4: (
 
 
 def ov_precision(dtype: str, cpu: dict) -> tuple[str, str]:
-    """The row's OpenVINO settings on this CPU. Without bf16 instructions (no AVX512-BF16 or AMX:
-    AVX2 builds) OpenVINO's paged attention takes only f32 K/V ("expect kvcache type f32"), so
+    """The row's OpenVINO settings on this CPU (as capped: isa.capped_cpu). Without bf16
+    instructions (no AVX512-BF16 or AMX: AVX2 builds) OpenVINO's paged attention takes only f32 K/V ("expect kvcache type f32"), so
     there the int4 row computes in f32 with f32 K/V; the bf16 row stays as asked (it cannot run
     there, and the table says so)."""
     if dtype == INT4 and not (cpu["avx512_bf16"] or cpu["amx"]):
@@ -60,8 +61,17 @@ class OpenVINOEngine(WorkerEngine):
     name = "OpenVINO GenAI"
 
     def __init__(self, py: Path, ov_dir: Path, precisions: tuple[str, str], logfile: Path, kv_gib: int,
-                 timeout: float):
+                 timeout: float, isa_name: str = "native", probe: bool = False):
         precision, kv_precision = precisions  # ov_precision's
         cmd = [str(py), str(OV_WORKER), "serve", "--model", str(ov_dir), "--precision", precision,
                "--kv-precision", kv_precision, "--kv-gb", str(kv_gib), "--threads", "2"]
-        super().__init__(cmd, os.environ | {"PYTHONUNBUFFERED": "1"}, logfile, timeout)
+        cmd += ["--probe-isa"] if probe or isa_name != "native" else []
+        super().__init__(cmd, openvino_env(isa_name), logfile, timeout)
+
+    def isa_check(self) -> dict | None:
+        """What the worker's probe saw of the --isa cap (isa.openvino_check); None when it did not probe."""
+        return isa.openvino_check(self.info["primitive_types"]) if "primitive_types" in self.info else None
+
+
+def openvino_env(isa_name: str) -> dict:
+    return isa.worker_env(os.environ, isa_name) | {"PYTHONUNBUFFERED": "1"} | isa.openvino_env(isa_name)

@@ -40,6 +40,12 @@ class TinyEngine:
         from tinyllm_cli.roofline import runtime_bytes
         return (self.llm.runtime, *runtime_bytes(self.llm.runtime))
 
+    def isa_check(self) -> dict:
+        """The --isa cap as this process runs it (isa.tinyllm_check) and torch's libraries probed
+        in a child with the same environment."""
+        from .. import isa
+        return isa.tinyllm_check(isa.torch_probe(Path(sys.executable), os.environ))
+
     def close(self) -> None:
         self.llm.close()
 

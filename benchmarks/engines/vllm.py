@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from .. import isa
 from ..common import Skip
 from ..guard import WorkerEngine
 from ..workloads import longest_sequence
@@ -23,8 +24,9 @@ def vllm_settings(kv_gib: int) -> dict:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
 
 
-def vllm_env(kv_gib: int) -> dict:
-    return os.environ | vllm_settings(kv_gib)
+def vllm_env(kv_gib: int, isa_name: str = "native") -> dict:
+    env = isa.worker_env(os.environ, isa_name) | vllm_settings(kv_gib)
+    return env | isa.vllm_env(isa_name, env)
 
 
 def vllm_model_len(workloads: dict, benches) -> int:
@@ -40,21 +42,30 @@ class VLLMEngine(WorkerEngine):
     name = "vLLM"
 
     def __init__(self, py: Path, model_dir: Path, dtype: str, logfile: Path, kv_gib: int, timeout: float,
-                 max_model_len: int = 512):
+                 max_model_len: int = 512, isa_name: str = "native"):
         cmd = [str(py), str(WORKER), "serve", "--model", str(model_dir), "--dtype", dtype,
                "--max-model-len", str(max_model_len)]
-        super().__init__(cmd, vllm_env(kv_gib), logfile, timeout)
+        self.py, self.isa_name = py, isa_name
+        super().__init__(cmd, vllm_env(kv_gib, isa_name), logfile, timeout)
+
+    def isa_check(self) -> dict | None:
+        """The worker's own report (which ``_C`` build its processes mapped) and torch's libraries
+        probed under the same environment (isa.vllm_check)."""
+        if "isa_facts" not in self.info:
+            return None
+        return isa.vllm_check(self.info["isa_facts"], isa.torch_probe(self.py, vllm_env(1, self.isa_name)))
 
 
 def vllm_e2e(py: Path, model_dir: Path, dtype: str, prompts, output_len: int, work: Path, logfile: Path,
-             kv_gib: int) -> dict:
+             kv_gib: int, isa_name: str = "native") -> dict:
     f, out = work / "e2e.json", work / "e2e-vllm-out.json"
     f.write_text(json.dumps(prompts))
     cmd = [str(py), str(WORKER), "oneshot", "--model", str(model_dir), "--dtype", dtype, "--prompts", str(f),
            "--max-tokens", str(output_len), "--output", str(out)]
     t0, spawned = time.perf_counter(), time.time()
     with logfile.open("a") as fh:
-        p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=vllm_env(kv_gib), timeout=1800)
+        p = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=vllm_env(kv_gib, isa_name),
+                           timeout=1800)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise Skip(f"the vLLM job failed (see {logfile})")

@@ -16,6 +16,9 @@ in bf16 and keeps K/V as u8 unless told otherwise, so ``INFERENCE_PRECISION_HINT
 ``KV_CACHE_PRECISION`` are always set, and the threads are fixed (``INFERENCE_NUM_THREADS``, one
 stream: the pipeline runs one infer request, which a second stream would only split). The KV
 pool is ``SchedulerConfig.cache_size`` GB, the same memory every other engine gets.
+
+``--probe-isa`` (``compare --isa``): the ready line also carries ``primitive_types``, what the CPU
+plugin runs for each node (see primitive_types), so a cap on its instruction set is verified.
 """
 
 from __future__ import annotations
@@ -65,10 +68,39 @@ def generate(pipe, prompts: list[list[int]], max_tokens: int) -> tuple[float, li
     return elapsed, [list(o.m_generation_ids[0]) for o in outs]
 
 
+def primitive_types(args) -> dict:
+    """What the CPU plugin runs for each node, ``{"<layerType> <primitiveType>": count}``, read from
+    the runtime graph (``get_runtime_model``) of the export's own stateful model compiled with the
+    pipeline's properties after one 16-token inference (a dynamic node's primitive is chosen when
+    it first runs; the pipeline's own compiled model is not reachable from its API). Its matmuls,
+    norms and elementwise nodes are the pipeline's; its attention is SDPA where the pipeline's is
+    PagedAttention."""
+    import collections
+
+    import numpy as np
+    import openvino as ov
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(f"{args.model}/openvino_model.xml"), "CPU", properties(args))
+    n = 16
+    feed = {"input_ids": np.arange(5, 5 + n, dtype=np.int64)[None], "attention_mask": np.ones((1, n), np.int64),
+            "position_ids": np.arange(n, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32)}
+    req = compiled.create_infer_request()
+    req.infer({k: v for k, v in feed.items() if k in {i.get_any_name() for i in compiled.inputs}})
+    counts = collections.Counter()
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        layer = info["layerType"].astype(str) if "layerType" in info else "?"
+        if layer in ("Const", "Input", "Output", "Reshape", "MemoryInput", "MemoryOutput"):
+            continue  # no computation
+        counts[f"{layer} {info['primitiveType'].astype(str) if 'primitiveType' in info else '?'}"] += 1
+    return dict(sorted(counts.items()))
+
+
 def serve(args) -> None:
+    probe = {"primitive_types": primitive_types(args)} if args.probe_isa else {}  # freed before the pipeline
     pipe = build_pipeline(args)
     generate(pipe, [[5, 6, 7, 8]] * 2, 4)  # first-call costs stay out of every timed run
-    info = {"ready": True, "properties": properties(args), "cache_size_gb": args.kv_gb}
+    info = {"ready": True, "properties": properties(args), "cache_size_gb": args.kv_gb} | probe
     print(MARKER + json.dumps(info), flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -88,6 +120,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--probe-isa", action="store_true",
+                   help="report the CPU plugin's primitive type per node in the ready line (primitive_types)")
     serve(p.parse_args())
 
 

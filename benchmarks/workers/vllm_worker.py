@@ -5,7 +5,8 @@ Two modes:
   timed run finds vLLM warm (compiled, KV cache allocated). Each request is
   ``{"prompts": [[ids...], ...], "max_tokens": N}``; each answer is one stdout line
   ``@@RESULT {"elapsed_s": ..., "token_ids": [[...], ...]}``. vLLM logs to stdout too, so the
-  marker is what the caller reads; every other line is log.
+  marker is what the caller reads; every other line is log. The ready line carries
+  ``isa_facts``: which build of vLLM's compiled ops its processes mapped (``compare --isa``).
 - ``oneshot``: the end-to-end job: build the engine, generate once, write the token ids and
   its own phase times (import, engine init, generate, and the wall-clock time generate
   started) to a JSON file, exit. The caller times the whole process (cold start included).
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 MARKER = "@@RESULT "
 
@@ -45,10 +48,39 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, lis
     return elapsed, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux /proc; just ``pid`` elsewhere)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo += [int(c) for c in task.read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def isa_facts() -> dict:
+    """Which of the wheel's builds of vLLM's compiled ops (``_C``, ``_C_AVX512``, ``_C_AVX2``) the
+    worker's processes (vLLM's engine core is a child) have mapped, and what torch detects."""
+    import torch
+    libs = set()
+    for pid in process_tree(os.getpid()):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        libs |= {Path(line.split()[-1]).name for line in maps.splitlines() if "/vllm/_C" in line}
+    return {"vllm_c_libs": sorted(libs), "torch_avx512_probe": torch.cpu._is_avx512_supported(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def serve(args) -> None:
     llm = build_llm(args)
     generate(llm, [[5, 6, 7, 8]] * 2, 4)  # first-call costs stay out of every timed run
-    print(MARKER + json.dumps({"ready": True}), flush=True)
+    print(MARKER + json.dumps({"ready": True, "isa_facts": isa_facts()}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
