@@ -669,3 +669,23 @@ def test_fuzz_load_config_yaml_text(text, cut):
         path = Path(d) / "c.yaml"
         path.write_text(text, encoding="utf-8", errors="surrogatepass")
         _config_or_one_sentence(lambda: load_config(path))
+
+
+def test_an_interrupt_a_c_extension_wrapped_is_still_an_interrupt(monkeypatch, capsys):
+    """SIGINT raises Interrupted wherever the main thread is; inside Ray's Cython CoreWorker.wait
+    it comes back as SystemError ("returned a result with an exception set") caused by it. The CLI
+    must still end as an interrupt (exit 130, its one line), not as an internal error."""
+    from tinyllm_cli import cli as cli_module
+    from tinyllm_cli.errors import Interrupted
+
+    def app(**_):
+        try:
+            raise Interrupted(signal.SIGINT)
+        except Interrupted as e:
+            raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from e
+
+    monkeypatch.setattr(cli_module, "app", app)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(["generate"])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip() == "interrupted by SIGINT"

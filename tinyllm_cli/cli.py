@@ -497,6 +497,19 @@ def simulate_calibrate(
 
 # ---- entry point ---------------------------------------------------------------------------
 
+def _wrapped_interrupt(e: BaseException) -> Interrupted | None:
+    """The ``Interrupted`` behind ``e``, if any. The signal handler raises it wherever the main
+    thread is, and a C extension in the middle (Ray's Cython ``CoreWorker.wait``) returns it as a
+    ``SystemError`` with the ``Interrupted`` as its cause: still a Ctrl-C, not an internal error."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, Interrupted):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _on_signal(signum, frame):
     shield.interrupt(signum)  # raises Interrupted, unless a result line is being written
 
@@ -523,6 +536,8 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit:
         raise
     except Exception as e:  # click usage errors and anything unexpected
+        if (cause := _wrapped_interrupt(e)) is not None:
+            _fail(cause, debug, cause.message or f"interrupted by {cause.signal_name}", cause.exit_code)
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `tinyllm`: the help is the answer
             e.show()
             sys.exit(2)

@@ -63,14 +63,7 @@ inline VecF vsilu_times(VecF g, VecF u) {
   const VecF shift = vset1(12582912.0f);
   const VecF n = vsub(vfma(x, vset1(1.44269504088896341f), shift), shift);
   const VecF r = vfma(n, vset1(2.12194440e-4f), vfnmadd(n, vset1(0.693359375f), x));
-  VecF p = vset1(1.0f / 720);
-  p = vfma(p, r, vset1(1.0f / 120));
-  p = vfma(p, r, vset1(1.0f / 24));
-  p = vfma(p, r, vset1(1.0f / 6));
-  p = vfma(p, r, vset1(0.5f));
-  p = vfma(p, r, vset1(1.0f));
-  p = vfma(p, r, vset1(1.0f));
-  return vmul(vdiv(g, vfma(p, vexp2i(n), vset1(1.0f))), u);
+  return vmul(vdiv(g, vfma(vexp_poly(r), vexp2i(n), vset1(1.0f))), u);
 }
 #endif
 

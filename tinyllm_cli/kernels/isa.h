@@ -308,19 +308,23 @@ inline void transpose_lanes(VecF r[8]) {
 }
 #endif
 
-// fast_exp on every lane, the same steps with each rounding explicit (a multiply, then FMAs).
-inline VecF vexp(VecF x) {
-  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
-  const VecF n = vround(vmul(x, vset1(1.44269504088896341f)));
-  const VecF r = vfma(n, vset1(2.12194440e-4f), vfma(n, vset1(-0.693359375f), x));
+// exp(r) for |r| <= ln2 / 2: fast_exp's degree-6 polynomial, one FMA a step.
+inline VecF vexp_poly(VecF r) {
   VecF p = vset1(1.0f / 720);
   p = vfma(p, r, vset1(1.0f / 120));
   p = vfma(p, r, vset1(1.0f / 24));
   p = vfma(p, r, vset1(1.0f / 6));
   p = vfma(p, r, vset1(0.5f));
   p = vfma(p, r, vset1(1.0f));
-  p = vfma(p, r, vset1(1.0f));
-  return vmul(p, vexp2i(n));
+  return vfma(p, r, vset1(1.0f));
+}
+
+// fast_exp on every lane, the same steps with each rounding explicit (a multiply, then FMAs).
+inline VecF vexp(VecF x) {
+  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
+  const VecF n = vround(vmul(x, vset1(1.44269504088896341f)));
+  const VecF r = vfma(n, vset1(2.12194440e-4f), vfma(n, vset1(-0.693359375f), x));
+  return vmul(vexp_poly(r), vexp2i(n));
 }
 
 #endif
