@@ -342,18 +342,9 @@ void int8_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const int8_t* w, co
     if (!portable) {
       for (int64_t b = b0; b < b1; ++b)
         for (int h = 0; h < 2; ++h)
-          for (int64_t r = r0; r < r1; r += 4) {
-            const int8_t* xr = xq + r * k;
-            const float* dr = d + r * groups;
-            const int8_t* wb = w + b * 16 * k;
-            float* yr = y + r * n + b * 16;
-            switch (std::min<int64_t>(4, r1 - r)) {
-              case 4: int8_q8_tile_avx2<4>(xr, dr, k, wb, h, scale + b * 16, yr, n); break;
-              case 3: int8_q8_tile_avx2<3>(xr, dr, k, wb, h, scale + b * 16, yr, n); break;
-              case 2: int8_q8_tile_avx2<2>(xr, dr, k, wb, h, scale + b * 16, yr, n); break;
-              default: int8_q8_tile_avx2<1>(xr, dr, k, wb, h, scale + b * 16, yr, n); break;
-            }
-          }
+          row_tiles<4>(r0, r1, [&]<int64_t R>(int64_t r) {
+            int8_q8_tile_avx2<R>(xq + r * k, d + r * groups, k, w + b * 16 * k, h, scale + b * 16, y + r * n + b * 16, n);
+          });
       return;
     }
 #endif

@@ -359,25 +359,24 @@ inline const float* float_rows(const at::Tensor& x, at::Tensor& keep) {
 
 // ---- register tiles of up to 8 rows ---------------------------------------------------------
 
-// Rows [r0, r1) in tiles of kTileRows: tile.template operator()<R>(r) for each tile of R rows
-// starting at row r (the last one takes the remainder), R a compile-time constant so each height
-// gets its own unrolled tile. The VNNI tiles and panel_linear's AVX-512 tile are 8 rows high.
-constexpr int64_t kTileRows = 8;
-template <typename Tile>
-inline void row_tiles(int64_t r0, int64_t r1, Tile&& tile) {
-  static_assert(kTileRows == 8, "one case per tile height");
-  for (int64_t r = r0; r < r1; r += kTileRows) {
-    switch (std::min(kTileRows, r1 - r)) {
-      case 8: tile.template operator()<8>(r); break;
-      case 7: tile.template operator()<7>(r); break;
-      case 6: tile.template operator()<6>(r); break;
-      case 5: tile.template operator()<5>(r); break;
-      case 4: tile.template operator()<4>(r); break;
-      case 3: tile.template operator()<3>(r); break;
-      case 2: tile.template operator()<2>(r); break;
-      default: tile.template operator()<1>(r); break;
-    }
+// tile.template operator()<R>(r) for the R = rows (1 <= rows <= H) known only at run time: one
+// compiled tile per height.
+template <int64_t H, typename Tile>
+inline void tile_of_height(int64_t rows, int64_t r, Tile& tile) {
+  if constexpr (H > 1) {
+    if (rows < H) return tile_of_height<H - 1>(rows, r, tile);
   }
+  tile.template operator()<H>(r);
+}
+
+// Rows [r0, r1) in tiles of H rows (kTileRows unless given): tile.template operator()<R>(r) for
+// each tile of R rows starting at row r (the last one takes the remainder), R a compile-time
+// constant so each height gets its own unrolled tile. The VNNI tiles and panel_linear's AVX-512
+// tile are 8 rows high; AVX2's 16 registers hold fewer.
+constexpr int64_t kTileRows = 8;
+template <int64_t H = kTileRows, typename Tile>
+inline void row_tiles(int64_t r0, int64_t r1, Tile&& tile) {
+  for (int64_t r = r0; r < r1; r += H) tile_of_height<H>(std::min(H, r1 - r), r, tile);
 }
 
 #if defined(__AVX512F__) || defined(__AVX2__)

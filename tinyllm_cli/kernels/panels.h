@@ -76,14 +76,8 @@ inline void panel_tile(const float* x, int64_t k_len, const W* w, const float* b
 template <typename W>
 inline void panel_rows(int64_t rows, const float* x, int64_t k_len, const W* w, const float* bias, float* y,
                        int64_t ldy, int64_t cols, NextShare nx = {}) {
-  switch (rows) {
-    case 6: return panel_tile<6>(x, k_len, w, bias, y, ldy, cols, nx);
-    case 5: return panel_tile<5>(x, k_len, w, bias, y, ldy, cols, nx);
-    case 4: return panel_tile<4>(x, k_len, w, bias, y, ldy, cols, nx);
-    case 3: return panel_tile<3>(x, k_len, w, bias, y, ldy, cols, nx);
-    case 2: return panel_tile<2>(x, k_len, w, bias, y, ldy, cols, nx);
-    default: return panel_tile<1>(x, k_len, w, bias, y, ldy, cols, nx);
-  }
+  auto tile = [&]<int64_t R>(int64_t) { panel_tile<R>(x, k_len, w, bias, y, ldy, cols, nx); };
+  tile_of_height<PANEL_MR>(rows, 0, tile);
 }
 
 // The next panel for NextShare, where a step's rows are one chunk of at most 8 tiles (a decode
@@ -301,27 +295,14 @@ template <int NB, typename W, typename O>
 void wide_rows(int64_t rows, const typename WideX<W>::T* x, int64_t ldx, int64_t steps, const typename W::T* w, int64_t wld,
                int64_t cols, float* part, bool first, bool last, const float* bias, typename O::T* y, int64_t ldy,
                bool next_follows) {
-  static_assert(kTileRows == 8, "one case per tile height");
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
   const bool share_next = next_follows && tiles >= 2 && tiles <= 32;
   const int64_t bytes = steps * wld * int64_t(sizeof(typename W::T));
-  for (int64_t r = 0; r < rows; r += kTileRows) {
-    const typename WideX<W>::T* xr = x + r * ldx;
-    float* pr = part + r * WIDE_NR;
-    typename O::T* yr = y + r * ldy;
-    const bool pf = r == 0;
+  row_tiles(0, rows, [&]<int64_t R>(int64_t r) {
     const NextShare nx(share_next ? w + steps * wld : nullptr, bytes, rows, r, steps);
-    switch (std::min<int64_t>(kTileRows, rows - r)) {
-      case 8: wide_tile<8, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
-      case 7: wide_tile<7, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
-      case 6: wide_tile<6, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
-      case 5: wide_tile<5, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
-      case 4: wide_tile<4, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
-      case 3: wide_tile<3, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
-      case 2: wide_tile<2, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
-      default: wide_tile<1, NB, W, O>(xr, ldx, steps, w, wld, cols, pr, first, last, bias, yr, ldy, pf, nx); break;
-    }
-  }
+    wide_tile<R, NB, W, O>(x + r * ldx, ldx, steps, w, wld, cols, part + r * WIDE_NR, first, last, bias, y + r * ldy,
+                           ldy, r == 0, nx);
+  });
 }
 
 // y [M, N] (ldy = N) = x [M, K] (rows ldx apart) @ w^T (+ bias), w given block by block:

@@ -358,11 +358,8 @@ void q4_float_matmul(const float* x, int64_t m, int64_t k_len, const uint8_t* w,
         if (bias && cols < PANEL_NR) std::memcpy(tail_bias, bias + p * PANEL_NR, cols * sizeof(float));
         const float* b = !bias ? nullptr : cols < PANEL_NR ? tail_bias : bias + p * PANEL_NR;
         if (p < full && m1 - m0 <= 4) {
-          const float* xp = x + m0 * k_len;
-          if (m1 - m0 == 4) q4_direct_tile<4>(xp, k_len, pn, b, out, PANEL_NR);
-          else if (m1 - m0 == 3) q4_direct_tile<3>(xp, k_len, pn, b, out, PANEL_NR);
-          else if (m1 - m0 == 2) q4_direct_tile<2>(xp, k_len, pn, b, out, PANEL_NR);
-          else q4_direct_tile<1>(xp, k_len, pn, b, out, PANEL_NR);
+          auto tile = [&]<int64_t R>(int64_t) { q4_direct_tile<R>(x + m0 * k_len, k_len, pn, b, out, PANEL_NR); };
+          tile_of_height<4>(m1 - m0, 0, tile);
         } else {
           float* wbuf = scratch(kPanelBuf, k_len * PANEL_NR);
           q4_decode_panel(pn, groups, p < full ? 2 : static_cast<int>(blocks - 2 * p), wbuf);
@@ -557,14 +554,9 @@ void q4_q8_matmul(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int
       for (int64_t b = b0; b < b1; ++b) {
         const uint8_t* wb = w + b * groups * Q4_BLOCK;
         const float* bb = bias ? bias + b * 16 : nullptr;
-        for (int64_t r = r0; r < r1; r += 3) {
-          const int8_t* xr = xq + r * k;
-          const float *dr = d + r * groups, *sr = dsum + r * groups;
-          uint16_t* yr = y + r * n + b * 16;
-          if (r1 - r >= 3) q4_q8_tile<3>(xr, dr, sr, k, wb, bb, yr, n);
-          else if (r1 - r == 2) q4_q8_tile<2>(xr, dr, sr, k, wb, bb, yr, n);
-          else q4_q8_tile<1>(xr, dr, sr, k, wb, bb, yr, n);
-        }
+        row_tiles<3>(r0, r1, [&]<int64_t R>(int64_t r) {
+          q4_q8_tile<R>(xq + r * k, d + r * groups, dsum + r * groups, k, wb, bb, y + r * n + b * 16, n);
+        });
       }
       return;
     }
