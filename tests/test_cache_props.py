@@ -223,3 +223,18 @@ def test_truncate_refuses_to_cut_a_registered_block():
         cache.truncate(0, 3)
     cache.truncate(0, 4)
     assert len(cache.tables[0]) == 2 and cache.pool.num_active == 2
+
+
+def test_a_runner_and_a_drafter_refuse_storage_of_another_block_manager():
+    """The K/V storage a model runner or a draft model is handed must hold its own block manager's
+    pools: the scheduler's tables would point into another pool."""
+    from types import SimpleNamespace
+    from tinyllm_cli.engine.runner import ModelRunner
+    from tinyllm_cli.engine.speculative import ModelDrafter
+    mine, other = BlockManager(CFG, 4, 2, torch.float32), BlockManager(CFG, 4, 2, torch.float32)
+    model = SimpleNamespace(device=torch.device("cpu"))
+    for build in (ModelRunner, ModelDrafter):
+        with pytest.raises(ValueError, match="another block manager"):
+            build(model, mine, KVStorage(other, "cpu"))
+        assert build(model, mine, KVStorage(mine, "cpu")).storage.blocks is mine
+        assert build(model, mine).storage.blocks is mine

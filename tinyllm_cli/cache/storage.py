@@ -99,6 +99,16 @@ def check_room(cfg: ModelConfig, kind: str, num_blocks: int, block_size: int, dt
                          f"are available on {device}")
 
 
+def storage_for(blocks: BlockManager, device: torch.device | str, storage: "KVStorage | None" = None) -> "KVStorage":
+    """``storage`` when given (it must hold ``blocks``' pools), else new storage for ``blocks`` on
+    ``device`` (attention 'auto'): what a model runner and a draft model each compute over."""
+    if storage is None:
+        return KVStorage(blocks, device)
+    if storage.blocks is not blocks:
+        raise ValueError("the K/V storage given belongs to another block manager")
+    return storage
+
+
 class KVStorage:
     """The K/V pools of ``blocks`` on ``device``, and the per-step attention plan over them.
 

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from ..cache.blocks import BlockManager
-from ..cache.storage import KVStorage
+from ..cache.storage import KVStorage, storage_for
 from ..model.llama import LlamaModel
 from ..transfer import to_device
 from . import constraints, sampler
@@ -105,10 +105,8 @@ class ModelRunner:
     new storage for ``blocks`` on the model's device, attention 'auto')."""
 
     def __init__(self, model: LlamaModel, blocks: BlockManager, storage: KVStorage | None = None):
-        if storage is not None and storage.blocks is not blocks:
-            raise ValueError("the K/V storage given belongs to another block manager")
         self.model = model
-        self.storage = storage if storage is not None else KVStorage(blocks, model.device)
+        self.storage = storage_for(blocks, model.device, storage)
         self.attention = self.storage.attention
         self._mask_pool = None  # a thread that fills grammar masks during the forward pass
         # Fill grammar masks on a thread during the forward pass only where the forward leaves the

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.blocks import BlockManager
-from ..cache.storage import KVStorage
+from ..cache.storage import KVStorage, storage_for
 from ..model.llama import LlamaModel
 from ..transfer import to_device
 from .request import Sequence, Status
@@ -118,7 +118,7 @@ class ModelDrafter:
 
     def __init__(self, model: LlamaModel, cache: BlockManager, storage: KVStorage | None = None):
         self.model, self.cache = model, cache
-        self.storage = storage if storage is not None else KVStorage(cache, model.device)
+        self.storage = storage_for(cache, model.device, storage)
         self.seqs: dict[int, Sequence] = {}  # sequences with K/V in the draft cache
 
     def propose(self, seqs: list[Sequence], caps: list[int]) -> list[list[int]]:
