@@ -182,21 +182,31 @@ def nnls(X: list[list[float]], y: list[float], weights: list[float] | None = Non
         active.remove(min(neg, key=lambda i: sol[i]))
 
 
+def robust_nnls(X: list[list[float]], y: list[float], keep_always=None) -> tuple[list[float], list[int]]:
+    """``nnls`` robust to a busy machine: samples far off the fit (over 5 median absolute
+    residuals) are dropped and the rest refitted, twice; ``keep_always(i)`` samples are never
+    dropped. The coefficients, and the indices of the samples they were fitted on."""
+    c, keep = [float(x) for x in nnls(X, y)], list(range(len(y)))
+    for _ in range(2):
+        res = [t - sum(a * b for a, b in zip(c, f)) for f, t in zip(X, y)]
+        mad = sorted(abs(r) for r in res)[len(res) // 2] or 1e-9
+        keep = [i for i, r in enumerate(res) if (keep_always is not None and keep_always(i)) or abs(r) <= 5 * mad]
+        c = [float(x) for x in nnls([X[i] for i in keep], [y[i] for i in keep])]
+    return c, keep
+
+
 def fit(samples: list[tuple[list[float], float]]) -> tuple[list[float], dict]:
     """Coefficients from (features, seconds) samples: plain (unweighted) non-negative least
     squares, which keeps the sum of step times, so throughput and latencies, right."""
     X = [f for f, _ in samples]
     y = [t for _, t in samples]
-    c = [float(x) for x in nnls(X, y)]
-    # Robust to a busy machine: decode steps slowed by other processes (far off the fit) are
-    # dropped and the rest refitted, twice. Steps with prefill are few and far apart in size,
-    # so they are always kept.
-    for _ in range(2):
-        res = [t - sum(a * b for a, b in zip(c, f)) for f, t in zip(X, y)]
-        mad = sorted(abs(r) for r in res)[len(res) // 2] or 1e-9
-        keep = [i for i, r in enumerate(res) if X[i][3] > 0 or abs(r) <= 5 * mad] if len(res) > 20 else list(range(len(res)))
-        c = [float(x) for x in nnls([X[i] for i in keep], [y[i] for i in keep])]
-    dropped = len(y) - len(keep) if len(y) > 20 else 0
+    # Decode steps slowed by other processes are dropped (over 20 steps); steps with prefill are
+    # few and far apart in size, so they are always kept.
+    if len(y) > 20:
+        c, keep = robust_nnls(X, y, keep_always=lambda i: X[i][3] > 0)
+    else:
+        c, keep = [float(x) for x in nnls(X, y)], list(range(len(y)))
+    dropped = len(y) - len(keep)
     pred = [sum(a * b for a, b in zip(c, f)) for f in X]
     rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
     mean = sum(y) / len(y)
@@ -268,30 +278,22 @@ def plan_seqs(plan) -> set[int]:
 
 def fit_serving(timer: ServingTimer, base: list[float]) -> tuple[list[float], dict]:
     """The serving coefficients: what the served steps took beyond the offline model ``base``
-    says, by non-negative least squares on ``serving_features``. Steps far off the fit (over 5
-    median absolute residuals) are dropped and the rest refitted, twice, as the offline fit
-    drops its disturbed decode steps: on the slot cache a few steps that start a request ran
-    100-450 ms over, and left in they put ~20 ms on every starting request. The figures say how
-    well all the timed steps are predicted without and with the coefficients, and how many
-    were dropped."""
+    says, by non-negative least squares on ``serving_features``, robust as the offline fit is
+    (``robust_nnls``): on the slot cache a few steps that start a request ran 100-450 ms over, and
+    left in they put ~20 ms on every starting request. The figures say how well all the timed
+    steps are predicted without and with the coefficients, and how many were left out of the fit."""
     y = [t for _, t in timer.samples]
     plain = [sum(a * b for a, b in zip(base, f)) for f, _ in timer.samples]
     X = timer.serving
     excess = [t - p for t, p in zip(y, plain)]
-    keep = list(range(len(y)))
-    s = [0.0] * len(SERVING_FEATURES)
-    for _ in range(3) if X else ():
-        s = [float(x) for x in nnls([X[i] for i in keep], [excess[i] for i in keep])]
-        res = [e - sum(a * b for a, b in zip(s, sf)) for e, sf in zip(excess, X)]
-        mad = sorted(abs(r) for r in res)[len(res) // 2] or 1e-9
-        keep = [i for i, r in enumerate(res) if abs(r) <= 5 * mad]
+    s, keep = robust_nnls(X, excess) if X else ([0.0] * len(SERVING_FEATURES), [])
     served = [p + sum(a * b for a, b in zip(s, sf)) for p, sf in zip(plain, X)]
 
     def figures(pred):
         rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
         return {"median_rel_err": round(rel[len(rel) // 2], 4) if rel else None,
                 "total_time_err": round(sum(pred) / max(sum(y), 1e-12) - 1, 4)}
-    return s, {"steps": len(y), "outliers_dropped": len(y) - len(keep) if X else 0,
+    return s, {"steps": len(y), "outliers_dropped": len(y) - len(keep),
                "offline_model": figures(plain), "with_serving": figures(served)}
 
 
