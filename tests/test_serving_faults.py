@@ -149,6 +149,18 @@ def test_a_public_address_without_a_key_is_refused_before_loading(llama_dir):
     assert "loading" not in r.stderr
 
 
+def test_serve_runs_128_sequences_at_once_unless_told_otherwise(llama_dir, tmp_path):
+    """serve's own default (SERVE_DEFAULTS, above the batch commands' 64) is the one it runs with;
+    a flag or a config file's value wins over it."""
+    from tinyllm_cli.config import Config
+    assert Config().scheduler.max_num_seqs == 64  # the batch default, which serve raises
+    cfg = tmp_path / "seven.yaml"
+    cfg.write_text("scheduler:\n  max_num_seqs: 7\n")
+    for args, want in (((), 128), (("--max-num-seqs", 3), 3), (("--config", cfg), 7)):
+        with ServerProc("--model", llama_dir, "-q", *args) as s:
+            assert f"up to {want} sequences at once" in "".join(s.lines), s.lines
+
+
 def test_a_taken_port_is_one_sentence(llama_dir):
     with ServerProc("--model", llama_dir, "-q") as s:
         port = s.base.rsplit(":", 1)[1]

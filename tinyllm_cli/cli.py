@@ -285,7 +285,8 @@ def serve(
         raise UsageError("--drain-timeout must be >= 0 seconds")
     if not 0 <= port <= 65535:
         raise UsageError("--port must be from 0 to 65535")
-    cfg = opts.config()
+    from .config import SERVE_DEFAULTS
+    cfg = opts.config(command_defaults=SERVE_DEFAULTS)
     raise typer.Exit(run_serve(cfg, host=host, port=port, api_key=api_key, allow_no_auth=allow_no_auth,
                                max_waiting=max_waiting, max_body_bytes=max_body_bytes, drain_timeout=drain_timeout,
                                served_model_name=served_model_name, quiet=opts.quiet))
@@ -446,7 +447,7 @@ def simulate(
     ttft_slo: Annotated[Optional[float], typer.Option("--ttft-slo", help="SLO on TTFT (s) for goodput.")] = None,
     tpot_slo: Annotated[Optional[float], typer.Option("--tpot-slo", help="SLO on TPOT (s) for goodput.")] = None,
     skip_ahead: Annotated[bool, typer.Option("--skip-ahead/--no-skip-ahead", help="Advance decode-only stretches in bulk (same decisions).")] = True,
-    serving: Annotated[bool, typer.Option("--serving", help="Also charge the profile's serving section (tinyllm serve's HTTP cost a step, a request and a streamed token), to predict a live server.")] = False,
+    serving: Annotated[bool, typer.Option("--serving", help="Predict a live tinyllm serve: charge the profile's serving section (its HTTP cost a step, a request and a streamed token) and take serve's defaults (max_num_seqs 128).")] = False,
     max_waiting: Annotated[int, typer.Option(help="Most timed requests waiting to run, as serve's --max-waiting; past it, arrivals are refused and counted as rejected (0: no bound, as serve-batch).")] = 256,
     old_profile: Annotated[Optional[Path], typer.Option("--profile", hidden=True)] = None,
     old_num_requests: Annotated[Optional[int], typer.Option("--num-requests", hidden=True)] = None,
@@ -463,7 +464,8 @@ def simulate(
     workload = opts.workload()
     if trace is None:
         workload.check()
-    cfg = opts.config()
+    from .config import SERVE_DEFAULTS
+    cfg = opts.config(command_defaults=SERVE_DEFAULTS if serving else None)
     gen = dict(num=workload.num_prompts, input_len=workload.input_len, output_len=workload.output_len,
                arrivals=arrivals, rate=1.0 if request_rate is None else request_rate, burstiness=burstiness,
                range_ratio=workload.range_ratio, prefix_len=workload.prefix_len, num_prefixes=workload.num_prefixes,

@@ -206,6 +206,13 @@ def _note(nodes: dict, dotted: str, node, p: Path) -> None:
 # A command's own default for a key does not apply when the user set a key that competes with it.
 COMPETING = {"cache.num_blocks": ("cache.kv_memory",)}
 
+# A live server's defaults (``serve``, and ``simulate --serving``, which predicts one): requests
+# arrive over time, so more sequences may run at once than in a batch run. Past its throughput a
+# server with 64 rows queues the newcomers (TTFT grows with the queue); with 128 it admits them
+# and every row's TPOT grows a little instead, which is what a TTFT + TPOT SLO rewards
+# (docs/serve.md measures both). vLLM's OpenAI server on a CPU defaults to 128 as well.
+SERVE_DEFAULTS = {"scheduler.max_num_seqs": 128}
+
 
 def build_config(data: dict, nodes: dict | None = None, overrides: dict | None = None,
                  command_defaults: dict | None = None) -> Config:

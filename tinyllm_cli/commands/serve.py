@@ -101,7 +101,8 @@ def run_serve(cfg: Config, *, host: str, port: int, api_key: str | None, allow_n
                              max_model_len=max_model_len_of(llm), quiet=quiet, drain_timeout=drain_timeout)
         shown = f"[{sock.getsockname()[0]}]" if sock.family == socket.AF_INET6 else sock.getsockname()[0]
         print(f"tinyllm serve: {name} on http://{shown}:{sock.getsockname()[1]}/v1 "
-              f"(Ctrl-C or SIGTERM drains and stops)", file=sys.stderr, flush=True)
+              f"(up to {cfg.scheduler.max_num_seqs} sequences at once; Ctrl-C or SIGTERM drains and stops)",
+              file=sys.stderr, flush=True)
         server.run_beside(server.front, [sock])
         if server.force_exit:
             return 130
