@@ -15,8 +15,10 @@ for each rate a seeded Poisson trace (`simulate`'s format) is written and
   serving section too: serve's HTTP cost a step, a request and a streamed token),
 both as subprocesses, one after the other (never sharing the cores). Both report the same keys
 (`output_tokens_per_s`, `ttft_s`, `tpot_s`, preemptions); the table goes to stderr, the rows (with
-the load average before and after each) to `--json`. Timed: run it under the measurement lock on
-a quiet machine.
+the load average and the host's read bandwidth before and after each live run) to `--json`.
+Timed: run it under the measurement lock on a quiet machine. The bandwidth is beside the
+profile's own (``read_gbps``, measured around its calibration) because a few-row step streams
+the weights: where the two differ, so do the step times, whatever the cost model.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from serving_util import ServerProc  # noqa: E402
 
 from tinyllm_cli.machine import cpu_name  # noqa: E402
+from tinyllm_cli.roofline import read_bandwidth  # noqa: E402
 from tinyllm_cli.traces import generate_trace, write_trace  # noqa: E402
 
 CACHES = {  # as scripts/sim_validate.py: a paged pool that preempts, and slots
@@ -83,7 +86,8 @@ def errors(live_f: dict, sim_f: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["cache", "req/s"] + [f"{n} live / sim (err)" for n, _, _ in FIGURES] + ["preempt live / sim", "load avg"]
+    head = (["cache", "req/s"] + [f"{n} live / sim (err)" for n, _, _ in FIGURES]
+            + ["preempt live / sim", "load avg", "host read GB/s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["cache"], f"{r['rate']:g}"]
@@ -92,6 +96,7 @@ def table(rows: list[dict]) -> str:
             cells.append(f"{r['live'][name]:.4g} / {r['sim'][name]:.4g} ({'-' if e is None else f'{e:+.0%}'})")
         cells.append(f"{r['live']['preemptions']} / {r['sim']['preemptions']}")
         cells.append(f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f}")
+        cells.append(f"{r['read_gbps'][0]:.0f} / {r['read_gbps'][1]:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -113,6 +118,7 @@ def main() -> None:
     caches = [c.strip() for c in a.caches.split(",")]
     if unknown := [c for c in caches if c not in CACHES]:
         raise SystemExit(f"error: unknown cache setting {unknown[0]!r}; one of {', '.join(CACHES)}")
+    profile_gbps = json.loads(Path(a.cost_profile).read_text()).get("read_gbps") if a.cost_profile else None
     rows = []
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -128,21 +134,26 @@ def main() -> None:
                     trace = tmp / f"trace-{rate:g}.jsonl"
                     write_trace(generate_trace(a.num_requests, a.input_len, a.output_len, arrivals="poisson",
                                                rate=rate, seed=a.seed), str(trace))
-                    before = os.getloadavg()
+                    before, gbps = os.getloadavg(), read_bandwidth()
                     lv = live(server, trace, tmp)
+                    gbps = [gbps, read_bandwidth()]
                     sm = simulated(flags, a.model, a.cost_profile, a.serving, trace, tmp)
                     row = {"cache": cache, "rate": rate, "live": lv, "sim": sm, "err": errors(lv, sm),
-                           "load_before": before, "load_after": os.getloadavg()}
+                           "load_before": before, "load_after": os.getloadavg(), "read_gbps": gbps}
                     if a.serving:  # and what the offline model alone says, to show the term's share
                         off = simulated(flags, a.model, a.cost_profile, False, trace, tmp)
                         row |= {"sim_offline_model": off, "err_offline_model": errors(lv, off)}
                     rows.append(row)
                     print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(table(rows), file=sys.stderr)
+    if profile_gbps:
+        print(f"the profile's host read bandwidth: {profile_gbps[0]:.0f} GB/s before its calibration, "
+              f"{profile_gbps[1]:.0f} after", file=sys.stderr)
     if a.json:
         a.json.write_text(json.dumps({
             "kind": "sim_vs_live", "cpu": cpu_name(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-            "commit": commit, "model": a.model, "cost_profile": a.cost_profile or "shipped default", "serving": a.serving,
+            "commit": commit, "model": a.model, "cost_profile": a.cost_profile or "shipped default",
+            "cost_profile_read_gbps": profile_gbps, "serving": a.serving,
             "workload": {"num_requests": a.num_requests, "input_len": a.input_len, "output_len": a.output_len,
                          "arrivals": "poisson", "seed": a.seed},
             "caches": {c: CACHES[c] for c in caches}, "command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")

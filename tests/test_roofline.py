@@ -163,7 +163,7 @@ def test_peak_cache_round_trips(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYLLM_PEAK_CACHE", str(tmp_path / "peak.json"))
     calls = []
     monkeypatch.setattr(rl, "_matmul_rates", lambda *a: calls.append(a) or {"torch": {"1": 1.0, "32": 5.0, "256": 9.0}})
-    monkeypatch.setattr(rl, "_read_bandwidth", lambda *a: 12.5)
+    monkeypatch.setattr(rl, "read_bandwidth", lambda *a: 12.5)
     first = rl.measure_peak(torch.float32, (64, 160), threads=1)
     again = rl.measure_peak(torch.float32, (64, 160), threads=1)
     assert (first["cached"], again["cached"], len(calls)) == (False, True, 1)
@@ -176,7 +176,7 @@ def test_peak_cache_round_trips(tmp_path, monkeypatch):
     assert rl.measure_peak(torch.float32, (64, 160), threads=1)["cached"] is False
     # Measured again: a busy moment (lower rates) cannot lower the cached peak, a better one raises it.
     monkeypatch.setattr(rl, "_matmul_rates", lambda *a: {"torch": {"1": 2.0, "32": 4.0, "256": 7.0}})
-    monkeypatch.setattr(rl, "_read_bandwidth", lambda *a: 20.0)
+    monkeypatch.setattr(rl, "read_bandwidth", lambda *a: 20.0)
     merged = rl.measure_peak(torch.float32, (64, 160), threads=1, refresh=True)
     assert merged["gflops"]["torch"] == {"1": 2.0, "32": 5.0, "256": 9.0} and merged["gemm_gflops"] == 9.0
     assert merged["bandwidth_gbps"] == 20.0 and merged["measurements"] == 2
@@ -221,7 +221,7 @@ def test_the_peak_of_a_4bit_run_includes_its_kernel_in_the_run_s_activation_mode
 def test_bench_shows_where_the_limit_is(capsys, llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TINYLLM_PEAK_CACHE", str(tmp_path / "peak.json"))
     monkeypatch.setattr(rl, "_matmul_rates", lambda *a: {"torch": {"1": 1.0, "32": 5.0, "256": 9.0}})
-    monkeypatch.setattr(rl, "_read_bandwidth", lambda *a: 12.5)
+    monkeypatch.setattr(rl, "read_bandwidth", lambda *a: 12.5)
     js = tmp_path / "b.json"
     args = ("bench", "--model", llama_dir, "--cache", "paged", "--num-prompts", 3, "--input-len", 8,
             "--output-len", 4, "--max-model-len", 64, "--no-warmup", "--json", js)
@@ -257,4 +257,4 @@ def test_slow_rates_are_kept_to_significant_digits_not_rounded_to_zero(monkeypat
     expect = {rows: 2 * int(rows) * 64 * 160 / 0.2 / 1e9 for rows in rates["torch"]}
     assert all(r > 0 for r in rates["torch"].values())
     assert rates["torch"] == pytest.approx(expect, rel=1e-3)
-    assert 0 < rl._read_bandwidth(0.01) == pytest.approx(rl.BANDWIDTH_BYTES / 0.2 / 1e9, rel=1e-3)
+    assert 0 < rl.read_bandwidth(0.01) == pytest.approx(rl.BANDWIDTH_BYTES / 0.2 / 1e9, rel=1e-3)

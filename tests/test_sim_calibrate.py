@@ -113,6 +113,8 @@ def test_calibrate_retimes_a_transient_disturbance(tmp_path, llama_dir, monkeypa
     assert prof["fit_quality"] == "good" and "warning" not in err, prof["fit"]
     # every disturbed step (and any clean one the disturbed first fit put over 10% off) timed again
     assert prof["fit"]["paged"]["retimed"] >= 40 // 7 and "retiming outlier steps" in err
+    before, after = prof["read_gbps"]  # the host's read bandwidth around the calibration, said on stderr
+    assert before > 0 and after > 0 and f"host read bandwidth {before:g} GB/s before calibrating, {after:g}" in err
     for kind in ("paged", "slot"):
         f = prof["fit"][kind]
         assert f["quality"] == "good" and f["r2"] > 0.999

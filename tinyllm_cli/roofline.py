@@ -313,7 +313,7 @@ def measure_peak(dtype: torch.dtype, shape: tuple[int, int] = (576, 1536), threa
         torch.set_num_threads(threads)
     try:
         gflops = _matmul_rates(dtype, shape, packed, seconds * 0.75, q4, device)
-        bandwidth = _read_bandwidth(seconds * 0.25, device)
+        bandwidth = read_bandwidth(seconds * 0.25, device)
     finally:
         torch.set_num_threads(before)
     measurements = 1
@@ -415,9 +415,9 @@ def _matmul_rates(dtype: torch.dtype, shape: tuple[int, int], packed: str, budge
     return out
 
 
-def _read_bandwidth(budget: float, device: torch.device = torch.device("cpu")) -> float:
+def read_bandwidth(budget: float = 0.5, device: torch.device = torch.device("cpu")) -> float:
     """GB/s of summing a ``BANDWIDTH_BYTES`` float32 tensor on ``device`` (a read stream, like
-    weights)."""
+    weights): the best pass within ``budget`` seconds."""
     x = torch.ones(BANDWIDTH_BYTES // 4, device=device)  # written once, so every page is mapped before timing
     with torch.inference_mode():
         return _sig(x.nbytes / _best_seconds(x.sum, budget, device) / 1e9)

@@ -251,10 +251,13 @@ def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, so
     """Calibrate and save the profile; a poor fit is saved too (marked ``fit_quality: poor``,
     which ``simulate`` warns about) and warned about here, with its figures, even when quiet.
     ``serving``: then measure ``tinyllm serve``'s HTTP cost too (``measure_serving``)."""
+    from ..roofline import read_bandwidth
     with LLM(config=cfg, progress=not quiet) as llm:
+        before = read_bandwidth(device=llm.runtime.device)
         prof = calibrate(llm, quiet=quiet, scale=scale, source=source)
         if serving:
             prof.serving = measure_serving(llm, cfg, prof, quiet, scale)
+        prof.read_gbps = [before, read_bandwidth(device=llm.runtime.device)]
     prof.save(output)
     if serving and not quiet:
         for kind, c in prof.serving["coefs"].items():
@@ -269,6 +272,8 @@ def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, so
             print(f"{kind}: {f['steps']} steps ({f['retimed']} retimed, {f['outliers_dropped']} dropped), "
                   f"R^2 {f['r2']}, median step error {f['median_rel_err']:.1%}, "
                   f"total time error {f['total_time_err']:+.1%}: {f['quality']} fit", file=sys.stderr)
+        print(f"host read bandwidth {prof.read_gbps[0]:g} GB/s before calibrating, {prof.read_gbps[1]:g} after",
+              file=sys.stderr)
         print(f"wrote {output}", file=sys.stderr)
     if prof.fit_quality == "poor":
         print(f"warning: poor fit even after retiming its outlier steps ({fit_figures(prof)}); was the machine "

@@ -104,6 +104,10 @@ class CostModel:
     version: int = PROFILE_VERSION
     # tinyllm serve's HTTP cost (``calibrate --serving``): {"coefs": {kind: per SERVING_FEATURES}, "fit": ...}
     serving: dict = field(default_factory=dict)
+    # The host's read bandwidth (GB/s, ``roofline.read_bandwidth``) before and after calibrating:
+    # a decode step of few rows streams the weights, so its time follows this figure, which a
+    # shared VM's can halve within minutes. A run to compare with the profile measures it too.
+    read_gbps: list = field(default_factory=list)
 
     def for_cache(self, cache, serving: bool = False) -> Coefs:
         """The coefficients for ``cache``; with ``serving``, plus the serving section's (one
