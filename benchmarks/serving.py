@@ -178,16 +178,20 @@ def rate_row(rate: float, report: dict, a) -> dict:
 
 @contextmanager
 def measuring(lock: Path | None):
-    """Hold the measurement lock (if any); yields a dict that gets the load averages around it."""
+    """Hold the measurement lock (if any); yields a dict that gets the load averages and the
+    host's read bandwidth around it (on a shared VM the bandwidth moves by 2x within minutes, and
+    a saturated server's steps with it)."""
+    from tinyllm_cli.roofline import read_bandwidth
     fh = lock.open("a") if lock else None
     if fh:
         log(f"waiting for the lock {lock} ...")
         fcntl.flock(fh, fcntl.LOCK_EX)
-    info = {"loadavg_before": list(os.getloadavg())}
+    info = {"loadavg_before": list(os.getloadavg()), "read_gbps_before": read_bandwidth()}
     try:
         yield info
     finally:
         info["loadavg_after"] = list(os.getloadavg())
+        info["read_gbps_after"] = read_bandwidth()
         if fh:
             fcntl.flock(fh, fcntl.LOCK_UN)
             fh.close()

@@ -162,13 +162,15 @@ def render_run(d: dict) -> str:
             f"(token ids) and exactly {wl['output_len']} output tokens each (`ignore_eos`), greedy. SLO: "
             f"p{slo['percentile']} TTFT ≤ {slo['ttft_s']:g} s and p{slo['percentile']} TPOT ≤ "
             f"{slo['tpot_s'] * 1000:g} ms. Sustainable rate: {st['sustainable']}.\n")
-    lines = [head, "| server | sustainable req/s | between | tinyllm / it | greedy agreement | load avg before → after |",
-             "|---|---|---|---|---|---|"]
+    lines = [head, "| server | sustainable req/s | between | tinyllm / it | greedy agreement | load avg before → after "
+                   "| host read GB/s before → after |", "|---|---|---|---|---|---|---|"]
     for name, s in zip(names, sweeps):
         between = "-" if not s["sustainable"]["between"] else " and ".join(f"{x:g}" for x in s["sustainable"]["between"])
         agree = f"{s['agree'][0]}/{s['agree'][1]} with {s['agree_with']}" if s["agree_with"] else "reference"
         load = f"{s['loadavg_before'][0]:.2f} → {s['loadavg_after'][0]:.2f}"
-        lines.append(f"| {name} | {rate_text(s)} | {between} | {ratio_text(mine, s)} | {agree} | {load} |")
+        gbps = (f"{s['read_gbps_before']:.0f} → {s['read_gbps_after']:.0f}" if "read_gbps_before" in s
+                else "not recorded")
+        lines.append(f"| {name} | {rate_text(s)} | {between} | {ratio_text(mine, s)} | {agree} | {load} | {gbps} |")
     lines += ["", "| server | offered req/s | completed / failed | req/s | output tok/s | TTFT p50 / p90 ms | "
                   "TPOT p50 / p90 ms | SLO ratio | valid |", "|---|---|---|---|---|---|---|---|---|"]
     for name, s in zip(names, sweeps):

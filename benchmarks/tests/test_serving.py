@@ -206,11 +206,14 @@ def _rate(rate, ttft90, tpot90, valid=True):
             "valid": valid, "problems": [] if valid else ["1 of 10 answers had other than 64 output tokens"]}
 
 
-def _sweep(engine, rates, text="a b c"):
+def _sweep(engine, rates, text="a b c", gbps=None):
     pts = [Point(r["rate"], r["slo_ratio"], r["valid"]) for r in rates]
-    return {"engine": engine, "command": f"{engine}-server --port 1", "rates": rates, "ready_s": 3.0,
-            "greedy": [{"text": text, "tokens": 16}, {"text": "x", "tokens": 16}], "loadavg_before": [1.0, 1, 1],
-            "loadavg_after": [2.0, 1, 1], "sustainable": sustainable(pts).to_json()}
+    out = {"engine": engine, "command": f"{engine}-server --port 1", "rates": rates, "ready_s": 3.0,
+           "greedy": [{"text": text, "tokens": 16}, {"text": "x", "tokens": 16}], "loadavg_before": [1.0, 1, 1],
+           "loadavg_after": [2.0, 1, 1], "sustainable": sustainable(pts).to_json()}
+    if gbps:  # results stored before the bandwidth was recorded have none
+        out |= {"read_gbps_before": gbps[0], "read_gbps_after": gbps[1]}
+    return out
 
 
 def _record(sweeps, notes=None):
@@ -226,7 +229,7 @@ def _linear(rates, capacity, **kw):
 
 
 def test_a_stored_result_renders_its_rates_ratios_and_goals(tmp_path):
-    tiny = _sweep("tinyllm", _linear([1, 2, 4], 3.0))
+    tiny = _sweep("tinyllm", _linear([1, 2, 4], 3.0), gbps=(72.4, 40.1))
     vllm = _sweep("vllm", _linear([1, 2], 1.5), text="a b d")
     llama = _sweep("llamacpp", _linear([1, 2, 4], 2.6), text="a b \ufffdc")  # an undecodable byte shown
     path = write(_record([tiny, vllm, llama], {"x": "a note"}), tmp_path)
@@ -237,6 +240,7 @@ def test_a_stored_result_renders_its_rates_ratios_and_goals(tmp_path):
     assert f"{3.0 / 1.5:.2f}x (goal met)" in text and 3.0 / 1.5 >= GOALS["vllm"]
     assert f"{3.0 / 2.6:.2f}x (goal {GOALS['llamacpp']}x missed)" in text and 3.0 / 2.6 < GOALS["llamacpp"]
     assert "1/2 with tinyllm" in text and "x: a note." in text
+    assert "| 1.00 → 2.00 | 72 → 40 |" in text and "| 1.00 → 2.00 | not recorded |" in text
     assert write(_record([tiny]), tmp_path) != path  # a new file, never over the old one
 
 
