@@ -38,6 +38,7 @@ from serving_util import ServerProc  # noqa: E402
 
 from tinyllm_cli.machine import cpu_name  # noqa: E402
 from tinyllm_cli.roofline import read_bandwidth  # noqa: E402
+from tinyllm_cli.sim.cost import CostModel  # noqa: E402
 from tinyllm_cli.traces import generate_trace, write_trace  # noqa: E402
 
 CACHES = {  # as scripts/sim_validate.py: a paged pool that preempts, and slots
@@ -118,7 +119,7 @@ def main() -> None:
     caches = [c.strip() for c in a.caches.split(",")]
     if unknown := [c for c in caches if c not in CACHES]:
         raise SystemExit(f"error: unknown cache setting {unknown[0]!r}; one of {', '.join(CACHES)}")
-    profile_gbps = json.loads(Path(a.cost_profile).read_text()).get("read_gbps") if a.cost_profile else None
+    profile_gbps = (CostModel.load(a.cost_profile).read_gbps or None) if a.cost_profile else None
     rows = []
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
