@@ -176,8 +176,10 @@ class Handler:
         arrival = time.perf_counter()
         body = await self._body(http)
         call = self._parse(url, body, arrival)
+        watch = Watch(self.front, self.metrics, call, self.tok)
         try:
-            tickets = [self.front.submit(r) for r in call.requests]
+            for r in call.requests:
+                self.front.submit(r, watch.events)
         except Overloaded as e:
             for r in call.requests:
                 self.front.abort(r.id)
@@ -186,10 +188,9 @@ class Handler:
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         except Closed as e:
             raise ApiError(503, f"the server takes no new requests: {e}", "server_error")
-        watch = Watch(self.front, self.metrics, call, tickets, self.tok)
         # Wait for each request's first event before answering: a refusal is still a 4xx then.
-        firsts = [await watch.next(i, http) for i in range(len(tickets))]
-        for first in firsts:
+        early = await watch.until_each_began(http)
+        for first in watch.firsts(early):
             if isinstance(first, RequestOutput) and first.finish_reason == "error" and not first.num_output_tokens:
                 watch.abort_all()
                 raise ApiError(400, first.error or "the request was refused", param=None)
@@ -197,9 +198,9 @@ class Handler:
                 watch.abort_all()
                 raise ApiError(500, first.error, "server_error")
         if call.stream:
-            return StreamingResponse(watch.sse(firsts), media_type="text/event-stream",
+            return StreamingResponse(watch.sse(early), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await watch.whole(firsts, http))
+        return JSONResponse(await watch.whole(early, http))
 
     async def _body(self, http: HttpRequest) -> dict:
         limit, size, chunks = self.settings.max_body_bytes, 0, []
@@ -281,35 +282,76 @@ class Call:
 
 
 class Watch:
-    """The events of one call's engine requests, turned into one answer or one stream."""
+    """The events of one call's engine requests, turned into one answer or one stream. The
+    requests share one queue (``events``): each event names its request by ``id``."""
 
-    def __init__(self, front: EngineFront, metrics: Metrics, call: Call, tickets, tokenizer):
-        self.front, self.metrics, self.call, self.tickets, self.tok = front, metrics, call, tickets, tokenizer
-        self.open = {t.request.id for t in tickets}
+    def __init__(self, front: EngineFront, metrics: Metrics, call: Call, tokenizer):
+        self.front, self.metrics, self.call, self.tok = front, metrics, call, tokenizer
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.index = {r.id: i for i, r in enumerate(call.requests)}
+        self.open = set(self.index)
         self.first_token: dict[object, float] = {}
         self.last_token: dict[object, float] = {}
+        head = json.dumps(self._head("completion.chunk" if call.chat else "text_completion"), ensure_ascii=False)
+        # Every chunk is this head with one choice: rendered once, not once per token.
+        self.chunk_prefix = "data: " + head[:-1] + ', "choices": ['
 
-    async def next(self, i: int, http: HttpRequest | None):
-        """Request i's next event; while waiting, a client that went away aborts the call."""
-        q = self.tickets[i].events
+    async def next(self, http: HttpRequest | None) -> tuple[int, object]:
+        """The call's next event and its request's index; while waiting with ``http`` given, a
+        client that went away aborts the call."""
+        if not self.events.empty():  # a step's events come together: no wait for most
+            ev = self.events.get_nowait()
+        elif http is None:
+            ev = await self.events.get()
+        else:
+            ev = await self._wait(http)
+        i = self.index[ev.id]
+        self._observe(self.call.requests[i], ev)
+        return i, ev
+
+    async def _wait(self, http: HttpRequest):
         while True:
             try:
-                ev = await asyncio.wait_for(q.get(), timeout=0.5) if http is not None else await q.get()
+                return await asyncio.wait_for(self.events.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
                     self.abort_all()
                     raise ClientGone()
-                continue
-            self._observe(self.tickets[i], ev)
-            return ev
 
-    def _observe(self, t, ev) -> None:
+    async def until_each_began(self, http: HttpRequest) -> list[tuple[int, object]]:
+        """The events that come until every request has had one (in order)."""
+        early, seen = [], set()
+        while len(seen) < len(self.index):
+            i, ev = await self.next(http)
+            early.append((i, ev))
+            seen.add(i)
+        return early
+
+    def firsts(self, early: list[tuple[int, object]]) -> list:
+        """Each request's first event, from ``until_each_began``'s list."""
+        first: dict[int, object] = {}
+        for i, ev in early:
+            first.setdefault(i, ev)
+        return [first[i] for i in range(len(self.index))]
+
+    async def _all(self, early: list[tuple[int, object]], http: HttpRequest | None):
+        """Every event of the call, those already read first, until each request's last."""
+        left = len(self.index)
+        for i, ev in early:
+            left -= _final(ev)
+            yield i, ev
+        while left:
+            i, ev = await self.next(http)
+            left -= _final(ev)
+            yield i, ev
+
+    def _observe(self, r: Request, ev) -> None:
         """Latency histograms, as the events arrive (vLLM's meanings)."""
-        rid, now = t.request.id, time.perf_counter()
+        rid, now = r.id, time.perf_counter()
         if isinstance(ev, Delta):
             if rid not in self.first_token:
                 self.first_token[rid] = now
-                self.metrics.ttft.observe(now - t.request.arrival)
+                self.metrics.ttft.observe(now - r.arrival)
             elif ev.index == 0:
                 self.metrics.itl.observe(now - self.last_token[rid])
             if ev.index == 0:
@@ -321,32 +363,31 @@ class Watch:
                 self.metrics.ttft.observe(ev.ttft_s)
                 for _ in range(ev.num_output_tokens - 1 if ev.tpot_s is not None else 0):
                     self.metrics.itl.observe(ev.tpot_s)  # its mean gap, once per gap
-            self.metrics.e2e.observe(now - t.request.arrival)
+            self.metrics.e2e.observe(now - r.arrival)
             self.metrics.finished(ev.finish_reason)
         else:
             self.metrics.finished("error")
 
     def abort_all(self) -> None:
-        for t in self.tickets:
-            if t.request.id in self.open:
-                self.front.abort(t.request.id)
+        for rid in self.index:
+            if rid in self.open:
+                self.front.abort(rid)
                 self.metrics.finished("abort")
         self.open.clear()
 
     # ---- a whole answer ---------------------------------------------------------------------
 
-    async def whole(self, firsts, http: HttpRequest) -> dict:
-        outs = []
-        for i, ev in enumerate(firsts):
-            while not isinstance(ev, (RequestOutput, Failed)):
-                ev = await self.next(i, http)
+    async def whole(self, early, http: HttpRequest) -> dict:
+        outs: list[RequestOutput | None] = [None] * len(self.index)
+        async for i, ev in self._all(early, http):
             if isinstance(ev, Failed):
                 self.abort_all()
                 raise ApiError(500, ev.error, "server_error")
-            if ev.finish_reason == "error":
-                self.abort_all()
-                raise ApiError(500, f"the request was cut short: {ev.error}", "server_error")
-            outs.append(ev)
+            if isinstance(ev, RequestOutput):
+                if ev.finish_reason == "error":
+                    self.abort_all()
+                    raise ApiError(500, f"the request was cut short: {ev.error}", "server_error")
+                outs[i] = ev
         c = self.call
         choices = [self._choice(i, out, comp) for i, out in enumerate(outs) for comp in out.completions]
         obj = "chat.completion" if c.chat else "text_completion"
@@ -388,14 +429,12 @@ class Watch:
 
     # ---- a stream ---------------------------------------------------------------------------
 
-    async def sse(self, firsts):
+    async def sse(self, early):
         """Server-Sent Events: role (chat), pieces as they come, the finish, usage when asked,
         ``[DONE]``; an error after the stream began is one error event, then the end."""
         c = self.call
         streams = [[ChoiceStream(self.tok, r.params.stop) for _ in range(c.n)] for r in c.requests]
         outs: list[RequestOutput | None] = [None] * len(c.requests)
-        queue: asyncio.Queue = asyncio.Queue()
-        pumps = [asyncio.create_task(self._pump(i, ev, queue)) for i, ev in enumerate(firsts)]
         try:
             if c.chat:
                 for j in range(len(c.requests) * c.n):
@@ -404,9 +443,7 @@ class Watch:
                 for i, r in enumerate(c.requests):
                     for k in range(c.n):
                         yield self._chunk(i * c.n + k, self._prompt_text(r), None, None)
-            left = len(c.requests)
-            while left:
-                i, ev = await queue.get()
+            async for i, ev in self._all(early, None):
                 if isinstance(ev, Failed) or (isinstance(ev, RequestOutput) and ev.finish_reason == "error"):
                     why = ev.error if isinstance(ev, Failed) else f"the request was cut short: {ev.error}"
                     self.abort_all()
@@ -418,7 +455,6 @@ class Watch:
                         yield self._piece_chunk(i * c.n + ev.index, piece)
                     continue
                 outs[i] = ev
-                left -= 1
                 for comp in ev.completions:
                     piece = streams[i][comp.index].finish(comp)
                     if piece is not None:
@@ -428,17 +464,7 @@ class Watch:
                            {"choices": [], "usage": self._usage(outs)})
             yield "data: [DONE]\n\n"
         finally:  # a client that went away closes the generator: abort what is still running
-            for p in pumps:
-                p.cancel()
             self.abort_all()
-
-    async def _pump(self, i: int, first, queue: asyncio.Queue) -> None:
-        ev = first
-        while True:
-            await queue.put((i, ev))
-            if isinstance(ev, (RequestOutput, Failed)):
-                return
-            ev = await self.next(i, None)
 
     def _head(self, obj: str) -> dict:
         c = self.call
@@ -446,13 +472,12 @@ class Watch:
                 "system_fingerprint": _fingerprint(c)}
 
     def _chunk(self, index: int, content, logprobs, reason, extra: dict | None = None) -> str:
-        c = self.call
-        if c.chat:
+        if self.call.chat:
             choice = {"index": index, "delta": content if isinstance(content, dict) else {"content": content},
                       "logprobs": logprobs, "finish_reason": reason}
-            return _sse(self._head("completion.chunk") | {"choices": [choice | (extra or {})]})
-        choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": reason}
-        return _sse(self._head("text_completion") | {"choices": [choice | (extra or {})]})
+        else:
+            choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": reason}
+        return self.chunk_prefix + json.dumps(choice | extra if extra else choice, ensure_ascii=False) + "]}\n\n"
 
     def _piece_chunk(self, index: int, p: Piece) -> str:
         c = self.call
@@ -466,6 +491,10 @@ class Watch:
             lps = chat_logprobs(p.logprobs) if c.chat else completion_logprobs(p.logprobs)
         extra = {"token_ids": p.token_ids} if p.text is None else None
         return self._chunk(index, p.text or "", lps, reason, extra)
+
+
+def _final(ev) -> bool:
+    return isinstance(ev, (RequestOutput, Failed))
 
 
 def _fingerprint(c: Call) -> str:

@@ -41,12 +41,14 @@ class Failed:
     """A request that the engine loop could not finish (the loop broke, or the drain ran out)."""
 
     error: str
+    id: object = None  # the request's, as every event carries
 
 
 @dataclass
 class Ticket:
     """One submitted request: its events arrive on ``events`` (``Delta``s, then one final
-    ``RequestOutput`` or ``Failed``)."""
+    ``RequestOutput`` or ``Failed``), a queue the caller may share among the requests of one
+    call (each event names its request by ``id``)."""
 
     request: Request
     events: asyncio.Queue
@@ -84,16 +86,16 @@ class EngineFront:
             self._thread = threading.Thread(target=self.run, name="tinyllm-engine", daemon=True)
             self._thread.start()
 
-    def submit(self, req: Request) -> Ticket:
-        """Queue ``req`` for the engine; ``Overloaded`` past ``max_waiting``, ``Closed`` while
-        draining or after the engine loop broke."""
+    def submit(self, req: Request, events: asyncio.Queue) -> Ticket:
+        """Queue ``req`` for the engine, its events to go to ``events``; ``Overloaded`` past
+        ``max_waiting``, ``Closed`` while draining or after the engine loop broke."""
         if not self._accepting or self.error is not None:
             raise Closed(self.error or "the server is shutting down")
         with self._lock:
             if self._queued >= self.max_waiting:
                 raise Overloaded(f"{self._queued} requests are already waiting (--max-waiting {self.max_waiting})")
             self._queued += 1
-        t = Ticket(req, asyncio.Queue())
+        t = Ticket(req, events)
         self._inbox.append(t)
         self._wake.set()
         return t
@@ -138,7 +140,7 @@ class EngineFront:
             why = self.error or "the server stopped before the request finished"
             self._take_inbox()
             for t in list(self.tickets.values()):
-                self._post(t, Failed(why))
+                self._post(t, Failed(why, t.request.id))
             self.tickets.clear()
 
     def _take_inbox(self) -> None:
