@@ -11,20 +11,22 @@ import statistics
 import subprocess
 import sys
 
-import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import RawTestServer
 
 from tinyllm_cli.cli import main
 from tinyllm_cli.loadgen import metrics
 from tinyllm_cli.loadgen.records import RequestRecord, parse_goodput, percentiles, summarize
-from tinyllm_cli.loadgen.run import GONE, Target, new_client, run_rate
+from tinyllm_cli.loadgen.client import new_session
+from tinyllm_cli.loadgen.run import GONE, Target, run_rate
 from tinyllm_cli.loadgen.schedule import Prompts, Workload, plan, send_times
 from tinyllm_cli.traces import generate_trace
 
 from conftest import wait_s
 from serving_util import ServerProc  # noqa: E402  (tests/: a real tinyllm serve process)
 
-URL = "http://load.test/v1"
+URL = "http://load.test/v1"  # a figure's label only
 
 
 def cli(capsys, *args):
@@ -111,7 +113,7 @@ def test_duration_bounds_the_schedule():
     assert got and max(got) < 2.0 and 60 < len(got) < 140
 
 
-# ---- a transport in place of a server -------------------------------------------------------
+# ---- a server that answers as each test says -----------------------------------------------------
 
 def sse(chunks: list[str], usage: dict | None = None, done: bool = True, error: str | None = None) -> bytes:
     lines = [f"data: {json.dumps({'choices': [{'index': 0, 'text': c}]})}\n\n" for c in chunks]
@@ -124,12 +126,54 @@ def sse(chunks: list[str], usage: dict | None = None, done: bool = True, error: 
     return "".join(lines).encode()
 
 
+def events(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="text/event-stream")
+
+
+async def stream(request, parts) -> web.StreamResponse:
+    """An SSE answer written part by part as ``parts`` (an async iterator of bytes) yields them."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    async for part in parts:
+        await resp.write(part)
+    await resp.write_eof()
+    return resp
+
+
+FAKE = web.RequestKey("fake", object)  # each request carries its server, for go_away
+
+
+class Fake:
+    """A real HTTP server on 127.0.0.1 (aiohttp's low-level one) whose answers come from
+    ``handler(request)``; ``go_away`` makes it die as a killed server does: nothing listens any
+    more (connections are refused) and every open connection drops."""
+
+    def __init__(self, handler):
+        self.handler = handler
+        self.server = RawTestServer(self._handle, host="127.0.0.1")
+
+    async def _handle(self, request):
+        request[FAKE] = self
+        return await self.handler(request)
+
+    async def go_away(self) -> None:
+        for site in list(self.server.runner.sites):
+            await site.stop()
+        for conn in self.server.runner.server.connections:
+            conn.force_close()
+
+
 def run(handler, planned, *, slo=None, concurrency=None, server_metrics=False, api_key=None, chat=False):
     async def go():
-        async with new_client(httpx.MockTransport(handler)) as client:
-            target = Target(URL, "m", chat=chat, api_key=api_key, max_concurrency=concurrency,
-                            server_metrics=server_metrics, slo=slo or {})
-            return await run_rate(client, target, planned)
+        fake = Fake(handler)
+        await fake.server.start_server()
+        try:
+            async with new_session() as client:
+                target = Target(str(fake.server.make_url("/v1")), "m", chat=chat, api_key=api_key,
+                                max_concurrency=concurrency, server_metrics=server_metrics, slo=slo or {})
+                return await run_rate(client, target, planned)
+        finally:
+            await fake.server.close()
     return asyncio.run(go())
 
 
@@ -145,11 +189,11 @@ def test_sending_never_waits_for_completions():
     seen, all_sent = [], asyncio.Event()
 
     async def handler(request):
-        seen.append(json.loads(request.content))
+        seen.append(await request.json())
         if len(seen) == n:
             all_sent.set()
         await all_sent.wait()
-        return httpx.Response(200, content=sse(["a", "b"], {"prompt_tokens": 8, "completion_tokens": 2}))
+        return events(sse(["a", "b"], {"prompt_tokens": 8, "completion_tokens": 2}))
 
     res = run(handler, schedule(n, rate=100.0))
     assert len(seen) == n and res.summary["num_completed"] == n
@@ -160,11 +204,11 @@ def test_sending_never_waits_for_completions():
 def test_requests_carry_the_key_the_body_and_go_where_asked(tmp_path):
     seen = []
 
-    def handler(request):
-        seen.append((request.url.path, request.headers.get("authorization"), json.loads(request.content or b"{}")))
-        if request.url.path == "/metrics":
-            return httpx.Response(200, text="")
-        return httpx.Response(200, content=sse(["a", "b"], {"prompt_tokens": 3, "completion_tokens": 2}))
+    async def handler(request):
+        seen.append((request.path, request.headers.get("authorization"), json.loads(await request.read() or b"{}")))
+        if request.path == "/metrics":
+            return web.Response(text="")
+        return events(sse(["a", "b"], {"prompt_tokens": 3, "completion_tokens": 2}))
 
     planned = list(schedule(3, output_len=7))
     run(handler, planned, api_key="sekret", server_metrics=True)
@@ -191,26 +235,26 @@ def test_max_concurrency_holds_requests_back():
         peak[0] = max(peak[0], inflight[0])
         await asyncio.sleep(0.02)
         inflight[0] -= 1
-        return httpx.Response(200, content=sse(["x"], {"prompt_tokens": 1, "completion_tokens": 1}))
+        return events(sse(["x"], {"prompt_tokens": 1, "completion_tokens": 1}))
 
     res = run(handler, schedule(12, rate=math.inf), concurrency=3)
     assert peak[0] == 3 and res.summary["num_completed"] == 12
     assert res.summary["send_lag_s"]["p99"] > 0.02  # the held-back ones say so
 
 
-def varied(request):
+async def varied(request):
     """Answers that differ per request: prompt tokens from the body, a few chunk gaps."""
-    body = json.loads(request.content)
+    body = await request.json()
     k = body["prompt"][0] % 5
 
-    async def stream():
+    async def parts():
         await asyncio.sleep(0.004 * k)
         for i in range(body["max_tokens"]):
             yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n".encode()
             await asyncio.sleep(0.002 * (k % 3))
         yield f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': len(body['prompt']), 'completion_tokens': body['max_tokens']}})}\n\n".encode()
         yield b"data: [DONE]\n\n"
-    return httpx.Response(200, content=stream())
+    return await stream(request, parts())
 
 
 def test_goodput_recomputed_from_the_records_equals_the_reported_figure():
@@ -255,15 +299,16 @@ def test_percentiles_are_the_engines():
 
 
 def test_failed_requests_are_counted_and_never_end_the_run():
-    def handler(request):
-        i = json.loads(request.content)["prompt"][0] % 4
+    async def handler(request):
+        i = (await request.json())["prompt"][0] % 4
         if i == 0:
-            return httpx.Response(400, json={"error": {"message": "prompt too long", "type": "invalid_request_error"}})
+            return web.json_response({"error": {"message": "prompt too long", "type": "invalid_request_error"}},
+                                     status=400)
         if i == 1:
-            return httpx.Response(200, content=sse(["a"], error="engine failed"))
+            return events(sse(["a"], error="engine failed"))
         if i == 2:
-            return httpx.Response(200, content=sse(["a", "b"], done=False))
-        return httpx.Response(200, content=sse(["a", "b"], {"prompt_tokens": 3, "completion_tokens": 2}))
+            return events(sse(["a", "b"], done=False))
+        return events(sse(["a", "b"], {"prompt_tokens": 3, "completion_tokens": 2}))
 
     planned = list(schedule(40, rate=math.inf))
     kinds = [p.prompt[0] % 4 for p in planned]
@@ -281,14 +326,14 @@ def test_a_server_that_goes_away_ends_the_run_with_the_records_kept():
     state = {"n": 0}
 
     async def handler(request):
-        if request.url.path.endswith("/models"):  # the liveness probe after a cut stream
-            raise httpx.ConnectError("connection refused")
         state["n"] += 1
-        if state["n"] > 10:
-            raise httpx.ConnectError("connection refused")
-        return httpx.Response(200, content=sse(["a", "b"], {"prompt_tokens": 8, "completion_tokens": 2}))
+        if state["n"] == 10:  # the tenth answer is the last: the server dies once it is sent
+            asyncio.get_running_loop().call_soon(asyncio.ensure_future, request[FAKE].go_away())
+        return events(sse(["a", "b"], {"prompt_tokens": 8, "completion_tokens": 2}))
 
-    res = run(handler, schedule(50, rate=300.0))
+    # 20 ms apart: the answers are instant, so none is in flight when the server dies, and
+    # the next request finds nothing listening
+    res = run(handler, schedule(50, rate=50.0))
     assert res.gone and "refused" in res.gone
     s = res.summary
     assert s["num_completed"] == 10 and s["num_requests"] < 50  # the rest were never sent
@@ -300,16 +345,13 @@ def test_a_stream_cut_by_a_dying_server_ends_the_run():
     cut = asyncio.Event()
 
     async def handler(request):
-        if request.url.path.endswith("/models"):
-            raise httpx.ConnectError("connection refused")
-
-        async def stream():
+        async def parts():
             yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'a'}]})}\n\n".encode()
             await cut.wait()
-            raise httpx.ReadError("connection reset")
+            await request[FAKE].go_away()  # mid-stream: every open stream drops
         if not cut.is_set():
             asyncio.get_running_loop().call_later(0.05, cut.set)
-        return httpx.Response(200, content=stream())
+        return await stream(request, parts())
 
     res = run(handler, schedule(500, rate=200.0))
     assert res.gone and "cut short" in res.gone
@@ -338,13 +380,13 @@ def test_server_metrics_report_counter_differences_and_gauge_peaks():
     calls, looked = [0], asyncio.Event()
 
     async def handler(request):
-        if request.url.path == "/metrics":
+        if request.path == "/metrics":
             calls[0] += 1
             if calls[0] == 2:  # the first look during the run
                 looked.set()
-            return httpx.Response(200, text=PROM.format(**next(scrapes)))
+            return web.Response(text=PROM.format(**next(scrapes)))
         await asyncio.wait_for(looked.wait(), 60)  # answer once the sampler has looked mid-run
-        return httpx.Response(200, content=sse(["a"], {"prompt_tokens": 1, "completion_tokens": 1}))
+        return events(sse(["a"], {"prompt_tokens": 1, "completion_tokens": 1}))
 
     res = run(handler, schedule(3, rate=math.inf), server_metrics=True)
     server = res.summary["server"]
@@ -354,10 +396,10 @@ def test_server_metrics_report_counter_differences_and_gauge_peaks():
 
 
 def test_a_server_without_metrics_gets_a_note():
-    def handler(request):
-        if request.url.path == "/metrics":
-            return httpx.Response(404)
-        return httpx.Response(200, content=sse(["a"], {"prompt_tokens": 1, "completion_tokens": 1}))
+    async def handler(request):
+        if request.path == "/metrics":
+            return web.Response(status=404)
+        return events(sse(["a"], {"prompt_tokens": 1, "completion_tokens": 1}))
 
     res = run(handler, schedule(2), server_metrics=True)
     assert "no readable Prometheus metrics" in res.summary["server"]["note"]
@@ -379,6 +421,24 @@ def test_no_server_is_one_sentence_and_exit_1(capsys, tmp_path):
     assert code == 1 and out == ""
     assert err.startswith("error: no server answers at") and len(err.strip().splitlines()) == 1
     assert json.loads(out_json.read_text())["runs"] == []
+
+
+def test_without_aiohttp_is_one_sentence_naming_the_install(tmp_path):
+    hide = ("import sys\n"
+            "class Hide:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'aiohttp' or name.startswith('aiohttp.'):\n"
+            "            raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, Hide())\n"
+            "from tinyllm_cli.cli import main\n"
+            "main(sys.argv[1:])\n")
+    out_json = tmp_path / "l.json"
+    r = subprocess.run([sys.executable, "-c", hide, "load", "--url", f"http://127.0.0.1:{free_port()}/v1", "--json",
+                        str(out_json)], capture_output=True, text=True, timeout=wait_s(120))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        'error: tinyllm load needs aiohttp, which is not installed: pip install "tinyllm[serve]"']
+    assert not out_json.exists()
 
 
 @pytest.mark.parametrize("args,words", [

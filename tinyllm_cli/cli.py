@@ -402,6 +402,8 @@ def load(
     opts: Opts = None,
 ):
     """Send open-loop load to an OpenAI-compatible server and report what each request experienced."""
+    from .commands.serve import require_load
+    require_load()  # one sentence naming the install command
     from .commands.load import LoadSpec, parse_rates, run_load
     from .loadgen.records import parse_goodput
     from .loadgen.schedule import Workload

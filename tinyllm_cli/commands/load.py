@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import TinyLLMError, UsageError
-from ..loadgen.client import ServerGone, auth_headers, first_model
-from ..loadgen.run import RateResult, Target, new_client, run_rate
+from ..loadgen.client import ServerGone, auth_headers, first_model, new_session
+from ..loadgen.run import RateResult, Target, run_rate
 from ..loadgen.schedule import Prompts, Workload, plan
 from ..report import load_rate_table, load_sweep_table, stderr_console
 
@@ -107,7 +107,7 @@ def run_load(spec: LoadSpec, json_out: Path | None, plot_out: Path | None, quiet
 
 
 async def _sweep(spec: LoadSpec, report: dict, json_out: Path | None, console) -> None:
-    async with new_client() as client:
+    async with new_session() as client:
         try:
             model = spec.model or await first_model(client, spec.url, auth_headers(spec.api_key))
         except ServerGone as e:

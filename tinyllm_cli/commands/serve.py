@@ -21,12 +21,25 @@ INSTALL = 'pip install "tinyllm[serve]"'
 LOOPBACK = {"localhost", "::1"}
 
 
-def require_serve() -> None:
-    """FastAPI, uvicorn and prometheus_client, or one sentence naming the install command."""
-    import importlib.util
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+def require_serve(command: str = "serve", modules=("fastapi", "uvicorn", "prometheus_client")) -> None:
+    """What ``command`` needs of the serve extra (``serve``: FastAPI, uvicorn, prometheus_client;
+    ``load``: aiohttp, prometheus_client), or one sentence naming the install command."""
+    missing = [m for m in modules if not _installed(m)]
     if missing:
-        raise UsageError(f"tinyllm serve needs {', '.join(missing)}, which is not installed: {INSTALL}")
+        verb = "is" if len(missing) == 1 else "are"
+        raise UsageError(f"tinyllm {command} needs {', '.join(missing)}, which {verb} not installed: {INSTALL}")
+
+
+def require_load() -> None:
+    require_serve("load", ("aiohttp", "prometheus_client"))
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def is_loopback(host: str) -> bool:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
+import aiohttp
+
+from .client import ServerGone, get_text
 
 COUNTERS = {"preemptions": "vllm:num_preemptions_total",
             "prefix_cache_queries": "vllm:prefix_cache_queries_total",
@@ -41,14 +43,12 @@ def parse(text: str) -> dict[str, float]:
     return out
 
 
-async def scrape(client: httpx.AsyncClient, url: str, headers: dict) -> dict[str, float] | None:
+async def scrape(client: aiohttp.ClientSession, url: str, headers: dict) -> dict[str, float] | None:
     """One scrape; None when the server has no readable /metrics."""
     try:
-        r = await client.get(url, headers=headers)
-        if r.status_code != 200:
-            return None
-        return parse(r.text)
-    except (httpx.HTTPError, ValueError):
+        status, text = await get_text(client, url, headers)
+        return parse(text) if status == 200 else None
+    except (ServerGone, aiohttp.ClientError, ValueError):
         return None
 
 
@@ -56,7 +56,7 @@ class Sampler:
     """Scrapes before, every ``interval_s`` during, and after a run; ``report`` gives the
     counters' differences and the gauges' peaks."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, headers: dict, interval_s: float = 0.5):
+    def __init__(self, client: aiohttp.ClientSession, url: str, headers: dict, interval_s: float = 0.5):
         self.client, self.url, self.headers, self.interval_s = client, url, headers, interval_s
         self.before: dict | None = None
         self.after: dict | None = None

@@ -16,9 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import httpx
-
-from .client import TIMEOUT, ServerGone, auth_headers, body, reachable, send
+from .client import ServerGone, auth_headers, body, reachable, send
 from .metrics import Sampler, metrics_url
 from .records import RequestRecord, summarize
 from .schedule import Planned
@@ -54,13 +52,7 @@ class RateResult:
     gone: str | None = None  # why the run ended early: the server stopped answering
 
 
-def new_client(transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    # No pool limit: an open loop must never queue a request behind a connection pool.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    return httpx.AsyncClient(timeout=TIMEOUT, limits=limits, transport=transport)
-
-
-async def run_rate(client: httpx.AsyncClient, target: Target, planned: Iterable[Planned],
+async def run_rate(client, target: Target, planned: Iterable[Planned],
                    on_done: Callable[[RequestRecord], None] = lambda r: None) -> RateResult:
     """Send one schedule and wait for every answer (or for the server to go away)."""
     sampler = Sampler(client, metrics_url(target.base_url), target.headers) if target.server_metrics else None
