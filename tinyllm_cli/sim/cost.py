@@ -38,6 +38,11 @@ FEATURES = ("const", "decode_rows", "decode_ctx", "prefill_tokens", "prefill_att
 PROFILE_VERSION = 2  # 1: no decode_blocks (read as a zero coefficient)
 
 
+def dot(coefs, features) -> float:
+    """A linear model's value: the coefficients times the features, summed."""
+    return sum(c * x for c, x in zip(coefs, features))
+
+
 def step_features(plan, block_size: int | None) -> list[float]:
     """The features of a scheduler ``Plan`` (read before the step stores its tokens);
     ``block_size`` None for the slot cache (no blocks to gather)."""
@@ -76,9 +81,9 @@ class Coefs:
     serve: list[float] = field(default_factory=lambda: [0.0] * len(SERVING_FEATURES))  # zeros: not serving
 
     def step_time(self, plan) -> float:
-        t = sum(ci * xi for ci, xi in zip(self.c, step_features(plan, self.block_size)))
+        t = dot(self.c, step_features(plan, self.block_size))
         if any(self.serve):
-            t += sum(ci * xi for ci, xi in zip(self.serve, serving_features(plan)))
+            t += dot(self.serve, serving_features(plan))
         return t
 
     def decode_time(self, rows: int, ctx: int, blocks: int) -> float:
@@ -192,7 +197,7 @@ def robust_nnls(X: list[list[float]], y: list[float], keep_always=None) -> tuple
     dropped. The coefficients, and the indices of the samples they were fitted on."""
     c, keep = [float(x) for x in nnls(X, y)], list(range(len(y)))
     for _ in range(2):
-        res = [t - sum(a * b for a, b in zip(c, f)) for f, t in zip(X, y)]
+        res = [t - dot(c, f) for f, t in zip(X, y)]
         mad = sorted(abs(r) for r in res)[len(res) // 2] or 1e-9
         keep = [i for i, r in enumerate(res) if (keep_always is not None and keep_always(i)) or abs(r) <= 5 * mad]
         c = [float(x) for x in nnls([X[i] for i in keep], [y[i] for i in keep])]
@@ -211,7 +216,7 @@ def fit(samples: list[tuple[list[float], float]]) -> tuple[list[float], dict]:
     else:
         c, keep = [float(x) for x in nnls(X, y)], list(range(len(y)))
     dropped = len(y) - len(keep)
-    pred = [sum(a * b for a, b in zip(c, f)) for f in X]
+    pred = [dot(c, f) for f in X]
     rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
     mean = sum(y) / len(y)
     ss = sum((t - mean) ** 2 for t in y) or 1e-12
@@ -287,11 +292,11 @@ def fit_serving(timer: ServingTimer, base: list[float]) -> tuple[list[float], di
     left in they put ~20 ms on every starting request. The figures say how well all the timed
     steps are predicted without and with the coefficients, and how many were left out of the fit."""
     y = [t for _, t in timer.samples]
-    plain = [sum(a * b for a, b in zip(base, f)) for f, _ in timer.samples]
+    plain = [dot(base, f) for f, _ in timer.samples]
     X = timer.serving
     excess = [t - p for t, p in zip(y, plain)]
     s, keep = robust_nnls(X, excess) if X else ([0.0] * len(SERVING_FEATURES), [])
-    served = [p + sum(a * b for a, b in zip(s, sf)) for p, sf in zip(plain, X)]
+    served = [p + dot(s, sf) for p, sf in zip(plain, X)]
 
     def figures(pred):
         rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
@@ -319,7 +324,7 @@ def outliers(samples: list[tuple[list[float], float]], c: list[float]) -> list[i
     """Indices of the samples whose relative error against coefficients ``c`` is an outlier."""
     rel = []
     for f, t in samples:
-        p = sum(a * b for a, b in zip(c, f))
+        p = dot(c, f)
         rel.append((t - p) / p if p > 0 else 0.0)
     if len(rel) < 20:
         return []

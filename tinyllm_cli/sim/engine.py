@@ -208,10 +208,11 @@ class SimEngine:
             out.append(total)
         return out
 
-    def _times(self, run, k: int) -> list[float]:
-        """The virtual time at the end of each of the window's steps; fewer than k when a step
-        would start at or after the next arrival (the window ends there)."""
-        B, ctx0 = len(run), sum(s.num_tokens for s in run)
+    def _times(self, run, k: int, ctx0: int) -> list[float]:
+        """The virtual time at the end of each of the window's steps (``ctx0``: the rows' context
+        tokens before the first); fewer than k when a step would start at or after the next
+        arrival (the window ends there)."""
+        B = len(run)
         blocks = self._block_counts(run, k)
         times, t = [], self.now
         for j in range(k):
@@ -225,7 +226,8 @@ class SimEngine:
         eng = self.engine
         blocks, st = eng.cache, eng.stats
         run = list(eng.scheduler.running)
-        times = self._times(run, k)
+        ctx0 = sum(s.num_tokens for s in run)
+        times = self._times(run, k, ctx0)
         k = len(times)
         if k == 0:
             return
@@ -233,7 +235,6 @@ class SimEngine:
         u = blocks.usage()
         fresh0 = blocks.allocator.num_free  # blocks never used; past them, allocation evicts cached ones
         events = self._allocations(k)
-        ctx0 = sum(s.num_tokens for s in run)
         e = 0
         waiting = eng.num_waiting()
         for j in range(k):
