@@ -38,7 +38,7 @@ from serving_util import ServerProc  # noqa: E402
 
 from tinyllm_cli.machine import cpu_name  # noqa: E402
 from tinyllm_cli.roofline import read_bandwidth  # noqa: E402
-from tinyllm_cli.sim.cost import CostModel  # noqa: E402
+from tinyllm_cli.sim.cost import CostModel, bandwidth_words  # noqa: E402
 from tinyllm_cli.traces import generate_trace, write_trace  # noqa: E402
 
 CACHES = {  # as scripts/sim_validate.py: a paged pool that preempts, and slots
@@ -148,8 +148,7 @@ def main() -> None:
                     print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     print(table(rows), file=sys.stderr)
     if profile_gbps:
-        print(f"the profile's host read bandwidth: {profile_gbps[0]:.0f} GB/s before its calibration, "
-              f"{profile_gbps[1]:.0f} after", file=sys.stderr)
+        print(f"the profile's host read bandwidth: {bandwidth_words(profile_gbps)}", file=sys.stderr)
     if a.json:
         a.json.write_text(json.dumps({
             "kind": "sim_vs_live", "cpu": cpu_name(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),

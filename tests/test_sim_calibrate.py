@@ -95,9 +95,14 @@ class Disturbed:
         return t
 
 
-def calibrate_cli(tmp_path, llama_dir, monkeypatch, source) -> tuple[int, dict, str]:
+def calibrate_cli(tmp_path, llama_dir, monkeypatch, source, gbps=(50.0, 50.0)) -> tuple[int, dict, str]:
+    """``simulate calibrate`` with its steps timed by ``source`` and the host's read bandwidth
+    read as ``gbps`` (the real host's moves, and says so)."""
+    from tinyllm_cli import roofline
     from tinyllm_cli.cli import main
     monkeypatch.setattr(costmod, "wall_time", source)
+    readings = iter(gbps)
+    monkeypatch.setattr(roofline, "read_bandwidth", lambda budget=0.5, device=None: next(readings))
     out = tmp_path / "p.json"
     with pytest.raises(SystemExit) as e:
         main(["simulate", "calibrate", "--output", str(out), "--model", str(llama_dir), "--device", "cpu",
@@ -113,11 +118,33 @@ def test_calibrate_retimes_a_transient_disturbance(tmp_path, llama_dir, monkeypa
     assert prof["fit_quality"] == "good" and "warning" not in err, prof["fit"]
     # every disturbed step (and any clean one the disturbed first fit put over 10% off) timed again
     assert prof["fit"]["paged"]["retimed"] >= 40 // 7 and "retiming outlier steps" in err
-    before, after = prof["read_gbps"]  # the host's read bandwidth around the calibration, said on stderr
-    assert before > 0 and after > 0 and f"host read bandwidth {before:g} GB/s before calibrating, {after:g}" in err
+    assert prof["read_gbps"] == [50.0, 50.0]  # the host's read bandwidth around the calibration, said on stderr
+    assert "host read bandwidth 50 GB/s before calibrating, 50 after" in err
     for kind in ("paged", "slot"):
         f = prof["fit"][kind]
         assert f["quality"] == "good" and f["r2"] > 0.999
+
+
+def test_calibrate_warns_when_the_hosts_bandwidth_moved(tmp_path, llama_dir, monkeypatch, capsys):
+    """A good fit made while the host's read bandwidth moved by over 20% is saved, with one
+    warning that gives the figures; one that moved less gets none."""
+    code, prof, path = calibrate_cli(tmp_path, llama_dir, monkeypatch, Disturbed(10**9, persistent=False),
+                                     gbps=(45.0, 80.0))
+    err = capsys.readouterr().err
+    assert code == 0 and path.exists() and prof["fit_quality"] == "good" and prof["read_gbps"] == [45.0, 80.0]
+    warn = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warn) == 1 and "bandwidth moved" in warn[0] and "45 GB/s before calibrating, 80 after" in warn[0]
+    code, prof, _ = calibrate_cli(tmp_path, llama_dir, monkeypatch, Disturbed(10**9, persistent=False),
+                                  gbps=(45.0, 52.0))
+    assert code == 0 and "warning" not in capsys.readouterr().err
+
+
+def test_bandwidth_moved_names_the_serving_phase():
+    from tinyllm_cli.sim.cost import bandwidth_moved
+    assert bandwidth_moved([50.0, 59.0]) is None and bandwidth_moved([50.0]) is None
+    said = bandwidth_moved([50.0, 52.0, 77.0])
+    assert "52 between its offline and served phases, 77 after" in said and "serving term" in said
+    assert "serving term" not in bandwidth_moved([50.0, 77.0])
 
 
 def test_calibrate_warns_and_marks_a_poor_fit(tmp_path, llama_dir, monkeypatch, capsys):
@@ -222,6 +249,9 @@ def test_calibrate_serving_measures_a_live_server(tmp_path, llama_dir, capsys):
     sv = prof["serving"]
     assert set(sv["coefs"]) == set(prof["coefs"]) == {"paged", "slot"}  # measured per cache kind
     err = capsys.readouterr().err
+    # the host's read bandwidth before, between the offline and served phases, and after
+    assert len(prof["read_gbps"]) == 3 and min(prof["read_gbps"]) > 0
+    assert f"{prof['read_gbps'][1]:g} between its offline and served phases" in err
     for kind, c in sv["coefs"].items():
         assert sv["fit"][kind]["steps"] > 10 and len(c) == len(SERVING_FEATURES) and all(x >= 0 for x in c)
         # the timed steps are kept, as the offline ones: features, serving features, seconds

@@ -15,7 +15,7 @@ from ..config import Config
 from ..errors import TinyLLMError, UsageError
 from ..llm import LLM
 from ..report import stderr_console
-from ..sim.cost import CostModel, calibrate, default_profile_path
+from ..sim.cost import CostModel, bandwidth_moved, bandwidth_words, calibrate, default_profile_path
 from ..sim.run import Simulation
 from ..sim.trace import serve_arrivals
 from ..traces import generate_trace, read_trace, write_trace
@@ -253,11 +253,12 @@ def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, so
     ``serving``: then measure ``tinyllm serve``'s HTTP cost too (``measure_serving``)."""
     from ..roofline import read_bandwidth
     with LLM(config=cfg, progress=not quiet) as llm:
-        before = read_bandwidth(device=llm.runtime.device)
+        gbps = [read_bandwidth(device=llm.runtime.device)]
         prof = calibrate(llm, quiet=quiet, scale=scale, source=source)
-        if serving:
+        if serving:  # the serving term is the served steps over the offline fit: both phases' bandwidth
+            gbps.append(read_bandwidth(device=llm.runtime.device))
             prof.serving = measure_serving(llm, cfg, prof, quiet, scale)
-        prof.read_gbps = [before, read_bandwidth(device=llm.runtime.device)]
+        prof.read_gbps = gbps + [read_bandwidth(device=llm.runtime.device)]
     prof.save(output)
     if serving and not quiet:
         for kind, c in prof.serving["coefs"].items():
@@ -272,9 +273,11 @@ def run_calibrate(cfg: Config, output: Path, quiet: bool, scale: float = 1.0, so
             print(f"{kind}: {f['steps']} steps ({f['retimed']} retimed, {f['outliers_dropped']} dropped), "
                   f"R^2 {f['r2']}, median step error {f['median_rel_err']:.1%}, "
                   f"total time error {f['total_time_err']:+.1%}: {f['quality']} fit", file=sys.stderr)
-        print(f"host read bandwidth {prof.read_gbps[0]:g} GB/s before calibrating, {prof.read_gbps[1]:g} after",
-              file=sys.stderr)
+        print(f"host read bandwidth {bandwidth_words(prof.read_gbps)}", file=sys.stderr)
         print(f"wrote {output}", file=sys.stderr)
+    moved = bandwidth_moved(prof.read_gbps)
+    if moved:
+        print(f"warning: {moved}", file=sys.stderr)
     if prof.fit_quality == "poor":
         print(f"warning: poor fit even after retiming its outlier steps ({fit_figures(prof)}); was the machine "
               f"busy? {output} is marked fit_quality: poor, and simulate will warn when it is used", file=sys.stderr)

@@ -109,9 +109,10 @@ class CostModel:
     version: int = PROFILE_VERSION
     # tinyllm serve's HTTP cost (``calibrate --serving``): {"coefs": {kind: per SERVING_FEATURES}, "fit": ...}
     serving: dict = field(default_factory=dict)
-    # The host's read bandwidth (GB/s, ``roofline.read_bandwidth``) before and after calibrating:
-    # a decode step of few rows streams the weights, so its time follows this figure, which a
-    # shared VM's can halve within minutes. A run to compare with the profile measures it too.
+    # The host's read bandwidth (GB/s, ``roofline.read_bandwidth``) before calibrating, between
+    # the offline and served phases (``calibrate --serving`` only) and after: a decode step of few
+    # rows streams the weights, so its time follows this figure, which a shared VM's can halve
+    # within minutes. A run to compare with the profile measures it too.
     read_gbps: list = field(default_factory=list)
 
     def for_cache(self, cache, serving: bool = False) -> Coefs:
@@ -163,6 +164,30 @@ class CostModel:
     def model_cfg(self):
         from ..model.llama import ModelConfig
         return ModelConfig(**self.model_config)
+
+
+# Past this ratio between the highest and lowest read bandwidth measured around a calibration,
+# the host changed under it: a one-row step of the default model took 9.2 ms at ~80 GB/s and
+# 12.1 ms at ~45 GB/s on a shared VM, a change the step-time fit cannot tell from the model.
+BANDWIDTH_MOVED = 1.2
+
+
+def bandwidth_words(gbps: list[float]) -> str:
+    """``read_gbps`` in words: before, (between the offline and served phases,) after."""
+    if len(gbps) == 3:
+        return f"{gbps[0]:g} GB/s before calibrating, {gbps[1]:g} between its offline and served phases, {gbps[2]:g} after"
+    return f"{gbps[0]:g} GB/s before calibrating, {gbps[-1]:g} after"
+
+
+def bandwidth_moved(gbps: list[float]) -> str | None:
+    """One sentence when the host's read bandwidth moved past ``BANDWIDTH_MOVED`` around a
+    calibration, else None."""
+    if len(gbps) < 2 or min(gbps) <= 0 or max(gbps) / min(gbps) <= BANDWIDTH_MOVED:
+        return None
+    serving = " and the serving term (the served steps over the offline fit)" if len(gbps) == 3 else ""
+    return (f"the host's read bandwidth moved during the calibration ({bandwidth_words(gbps)}); a step of few "
+            f"rows streams the weights at that rate, so the few-row steps' timings{serving} carry the change: "
+            f"calibrate again when the host holds still")
 
 
 def default_profile_path() -> Path:
