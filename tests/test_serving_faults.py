@@ -95,8 +95,9 @@ def test_sigterm_drains_running_streams_then_exits_0(llama_dir):
 def test_sigint_twice_exits_at_once(llama_dir):
     with ServerProc("--model", llama_dir, "--max-num-seqs", 1, "--drain-timeout", 600) as s:
         body = {"prompt": IDS, "max_tokens": 500, "ignore_eos": True}
-        outs, started = [[] for _ in range(7)], threading.Event()
-        # Seven long requests, one running at a time, so the drain would take a while.
+        outs, started = [[] for _ in range(32)], threading.Event()
+        # 32 long requests, one running at a time, so the drain takes seconds even on a fast host
+        # (500 tokens of this tiny model take ~0.15 s): far longer than the two signals apart.
         streams = [threading.Thread(target=stream_lines, args=(s.v1 + "/completions", body, out, started if i == 0 else None))
                    for i, out in enumerate(outs)]
         for t in streams:
