@@ -103,6 +103,8 @@ def test_sigint_twice_exits_at_once(llama_dir):
         for t in streams:
             t.start()
         assert started.wait(START_S)
+        # Half of them queued behind the running one before the first signal: the drain has work.
+        s.wait_metric("vllm:num_requests_waiting", lambda v: v is not None and v >= 16, "reached 16")
         s.signal(signal.SIGINT)
         assert wait_refused(s.base + "/health"), "the first SIGINT did not start the drain"
         s.signal(signal.SIGINT)

@@ -6,8 +6,8 @@
 the ITLs, the usage chunk gives the token counts (without one, text chunks are counted).
 
 The HTTP client is aiohttp (as vLLM's ``bench serve``): its parser is compiled, so a streamed
-chunk costs the client ~35 us of CPU where httpx took ~80 (measured on 2 vCPUs beside the
-server): a load generator on the server's own cores takes that CPU from the server it measures.
+chunk costs the client 23-35 us of CPU where httpx took 70-80 (2 vCPUs of a Zen 5 EPYC, beside
+the server): a load generator on the server's own cores takes that CPU from the server it measures.
 
 Invariants:
 - A request's failure is its record's ``error`` (an HTTP status with the server's message, an
