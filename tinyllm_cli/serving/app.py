@@ -189,8 +189,8 @@ class Handler:
         except Closed as e:
             raise ApiError(503, f"the server takes no new requests: {e}", "server_error")
         # Wait for each request's first event before answering: a refusal is still a 4xx then.
-        early = await watch.until_each_began(http)
-        for first in watch.firsts(early):
+        early, firsts = await watch.until_each_began(http)
+        for first in firsts:
             if isinstance(first, RequestOutput) and first.finish_reason == "error" and not first.num_output_tokens:
                 watch.abort_all()
                 raise ApiError(400, first.error or "the request was refused", param=None)
@@ -318,21 +318,15 @@ class Watch:
                     self.abort_all()
                     raise ClientGone()
 
-    async def until_each_began(self, http: HttpRequest) -> list[tuple[int, object]]:
-        """The events that come until every request has had one (in order)."""
-        early, seen = [], set()
-        while len(seen) < len(self.index):
+    async def until_each_began(self, http: HttpRequest) -> tuple[list[tuple[int, object]], list]:
+        """The events that come until every request has had one (in order), and each request's
+        first event."""
+        early, first = [], {}
+        while len(first) < len(self.index):
             i, ev = await self.next(http)
             early.append((i, ev))
-            seen.add(i)
-        return early
-
-    def firsts(self, early: list[tuple[int, object]]) -> list:
-        """Each request's first event, from ``until_each_began``'s list."""
-        first: dict[int, object] = {}
-        for i, ev in early:
             first.setdefault(i, ev)
-        return [first[i] for i in range(len(self.index))]
+        return early, [first[i] for i in range(len(self.index))]
 
     async def _all(self, early: list[tuple[int, object]], http: HttpRequest | None):
         """Every event of the call, those already read first, until each request's last."""
