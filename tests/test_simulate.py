@@ -18,8 +18,14 @@ from tinyllm_cli.traces import TraceItem, generate_trace, read_trace
 COEFS = [2e-3, 1e-4, 1e-7, 5e-5, 1e-8, 1e-4, 3e-6]
 
 
-def tiny_cost(model_cfg) -> CostModel:
-    return CostModel(coefs={"paged": COEFS, "slot": COEFS}, model="tiny", model_config=dataclasses.asdict(model_cfg))
+# A second plane that crosses COEFS at about 8 decode rows (and at short prompt chunks), so a
+# two-plane profile charges steps from both.
+COMPUTE = [0.5e-3, 3e-4, 1e-7, 1.2e-4, 1e-8, 0.0, 0.0]
+
+
+def tiny_cost(model_cfg, planes: int = 1) -> CostModel:
+    c = COEFS if planes == 1 else [COEFS, COMPUTE]
+    return CostModel(coefs={"paged": c, "slot": c}, model="tiny", model_config=dataclasses.asdict(model_cfg))
 
 
 class Plans:
@@ -99,7 +105,7 @@ def test_skip_ahead_equals_step_by_step(llama_dir, seed):
                 max_model_len=256, prefix_cache=rng.random() < 0.5, model=str(llama_dir))
     cfg = load_config(None, flat_overrides(over))
     items = items_mixed(80, seed, timed=seed % 2 == 1)
-    cost = tiny_cost(mcfg)
+    cost = tiny_cost(mcfg, planes=1 + seed % 3 // 2)  # seeds 2 and 5: two planes
     runs = []
     for skip in (False, True):
         sim = Simulation(cfg, cost, workers=1, skip_ahead=skip)
@@ -183,9 +189,35 @@ def test_fit_recovers_coefficients():
              sum(-(-c // bs) for c in ctx)]
         samples.append((f, sum(a * b for a, b in zip(true, f))))
     c, info = fit(samples)
-    assert info["r2"] > 0.999
-    for a, b in zip(c, true):
+    assert info["r2"] > 0.999 and len(c) == 1  # linear steps: one plane, the true one
+    for a, b in zip(c[0], true):
         assert a == pytest.approx(b, rel=1e-3, abs=1e-12)
+
+
+def test_fit_finds_two_planes_where_steps_are_bound_two_ways():
+    """Steps timed as the larger of a memory-bound plane (a weight stream plus a little per row
+    and context token) and a compute-bound one (per prompt token and row, the stream overlapped):
+    the fit finds both, and its maximum predicts every step within 1%, where the best one plane
+    misses prompt steps by far more."""
+    from tinyllm_cli.sim.cost import one_plane, predict
+    rng = random.Random(5)
+    mem = [10e-3, 0.3e-3, 1e-6, 0.0, 0.0, 0.0, 1e-5]
+    comp = [2.5e-3, 0.45e-3, 1e-6, 0.45e-3, 2e-7, 0.0, 0.0]
+    samples = []
+    for _ in range(400):
+        rows, bs = rng.randint(0, 48), 16
+        ctx = [rng.randint(1, 400) for _ in range(rows)]
+        pre = rng.choice([0, 0, 0, rng.randint(1, 2048)])
+        if rows == 0 and pre == 0:
+            rows, ctx = 1, [10]
+        f = [1.0, rows, sum(ctx), pre, pre * (pre + 1) / 2, 1 if pre else 0, sum(-(-c // bs) for c in ctx)]
+        samples.append((f, max(sum(a * b for a, b in zip(mem, f)), sum(a * b for a, b in zip(comp, f)))))
+    planes, info = fit(samples)
+    assert len(planes) == 2 and info["planes"] == 2 and info["r2"] > 0.9999
+    assert max(abs(predict(planes, f) - t) / t for f, t in samples) < 0.01
+    linear = one_plane([f for f, _ in samples], [t for _, t in samples])
+    prompts = [(f, t) for f, t in samples if 64 <= f[3] <= 256]
+    assert prompts and max(abs(predict(linear, f) - t) / t for f, t in prompts) > 0.1
 
 
 def test_cli_simulate_stats_keys_and_bad_trace(tmp_path, capsys):
@@ -262,7 +294,32 @@ def test_version1_profile_reads_with_no_block_cost(tmp_path):
     p = tmp_path / "v1.json"
     p.write_text(json.dumps({"coefs": {"paged": COEFS[:6]}, "version": 1}))
     cm = CostModel.load(p)
-    assert cm.coefs["paged"] == COEFS[:6] + [0.0]
+    assert cm.coefs["paged"] == [COEFS[:6] + [0.0]]  # one plane
+
+
+def test_one_plane_profiles_load_and_two_plane_profiles_round_trip(tmp_path):
+    """A version-2 profile (one flat list a kind) is one plane; a profile of two planes charges
+    each step the larger and reads back as it was written; a malformed plane is one sentence."""
+    from types import SimpleNamespace as NS
+
+    from tinyllm_cli.engine.scheduler import Plan
+    from tinyllm_cli.errors import UsageError
+    p = tmp_path / "v2.json"
+    p.write_text(json.dumps({"coefs": {"paged": COEFS}, "version": 2}))
+    assert CostModel.load(p).coefs["paged"] == [COEFS]
+    two = CostModel(coefs={"paged": [COEFS, [0.0, 1.0] + [0.0] * 5]}, model="tiny")
+    two.save(p)
+    back = CostModel.load(p)
+    assert back.coefs == two.coefs and len(back.coefs["paged"]) == 2
+    c = back.for_cache(NS(kind="paged", block_size=16))
+    seqs = [NS(num_tokens=10, seq_id=i) for i in range(3)]
+    plan = Plan(decode=seqs)
+    flat = CostModel(coefs={"paged": COEFS}).for_cache(NS(kind="paged", block_size=16))
+    assert c.step_time(plan) == max(flat.step_time(plan), 3.0)
+    assert c.decode_time(3, 30, 3) == pytest.approx(c.step_time(plan))
+    p.write_text(json.dumps({"coefs": {"paged": [COEFS, [1.0, 2.0]]}}))
+    with pytest.raises(UsageError, match="one or two lists of 7 numbers"):
+        CostModel.load(p)
 
 
 def test_block_size_costs_what_the_profile_says(llama_dir):

@@ -1,9 +1,11 @@
 """The step-cost model: how long one engine step takes, from what it holds. Measured, not guessed.
 
 A step's wall time (the whole loop: schedule, pack, forward, sample, stop checks, and the
-caller's own work between steps) is modelled as a linear function of the step's contents:
+caller's own work between steps) is modelled from the step's contents as the largest of one or
+two linear functions ("planes") of the same features:
 
-    t = c0                     fixed cost of a step (launches, Python, the LM head's setup)
+    t = max over planes of
+        c0                     fixed cost of a step (launches, Python, the LM head's setup)
       + c_row     * decode rows
       + c_ctx     * sum of the decode rows' context lengths   (attention reads)
       + c_blk     * sum of the decode rows' blocks, ceil(context / block size)   (paged only:
@@ -12,10 +14,19 @@ caller's own work between steps) is modelled as a linear function of the step's 
       + c_attn    * prefill attention pairs, sum of n * (start + (n + 1) / 2) per chunk
       + c_chunk   * prefill chunks
 
-with one set of coefficients per cache kind (their attention paths differ). ``calibrate`` times
-real steps of the configured model on this machine (an observer on a real ``LLM`` run, no change
-to the engine), the paged workloads at block sizes 8, 16 and 32 so that ``c_blk`` is measured,
-and fits the coefficients by non-negative least squares. The fit checks itself: steps whose
+with one set of planes per cache kind (their attention paths differ). Two planes because a step
+is bound by one of two things: a step of few new tokens streams the weights from memory (its
+time is that stream's plus a little per row), a step of many (a prompt's chunk, a wide batch) is
+bound by the matmuls' arithmetic, which the stream overlaps. One sum of both charged a 128-token
+prompt step of the default model the weight stream on top of its arithmetic: 82 ms modelled
+where it took 58. The fit (``fit_planes``) keeps one plane unless a second clearly fits the steps'
+relative errors better (``PLANE_GAIN``) without fitting their times worse: the same linear model
+as before, on hosts or models where it was right. ``calibrate`` times real steps of the
+configured model on this machine (an observer on a real ``LLM`` run, no change to the engine),
+among them prompts admitted one at a time beside a few decode rows, as a server runs them, the
+paged workloads at block sizes 8, 16 and 32 so that ``c_blk`` is measured,
+and fits the coefficients by non-negative least squares (two planes: alternately assigning each
+step to the plane that predicts it higher and refitting each). The fit checks itself: steps whose
 relative error is an outlier are timed again (their workload rerun) and keep the shorter timing,
 the fit is redone, and one still poor by the thresholds in ``judge`` is saved marked
 ``fit_quality: poor`` (``simulate`` warns when it uses such a profile). An optional ``serving``
@@ -28,6 +39,7 @@ the model's shape (so ``simulate`` needs no weights).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,12 +47,22 @@ from ..machine import cpu_name
 
 FEATURES = ("const", "decode_rows", "decode_ctx", "prefill_tokens", "prefill_attn", "prefill_chunks",
             "decode_blocks")
-PROFILE_VERSION = 2  # 1: no decode_blocks (read as a zero coefficient)
+PROFILE_VERSION = 3  # 1: no decode_blocks (read as a zero coefficient); 2: one plane, a flat list
 
 
 def dot(coefs, features) -> float:
     """A linear model's value: the coefficients times the features, summed."""
     return sum(c * x for c, x in zip(coefs, features))
+
+
+def predict(planes: list[list[float]], features) -> float:
+    """A step's modelled time: the largest of the planes' values (one plane: a linear model)."""
+    return max(dot(c, features) for c in planes)
+
+
+def as_planes(c) -> list[list[float]]:
+    """Coefficients as a list of planes: a flat list of numbers is one plane."""
+    return [list(c)] if c and isinstance(c[0], (int, float)) else [list(p) for p in c]
 
 
 def step_features(plan, block_size: int | None) -> list[float]:
@@ -76,26 +98,28 @@ def serving_features(plan) -> list[float]:
 
 @dataclass
 class Coefs:
-    c: list[float]
+    planes: list[list[float]]
     block_size: int | None
     serve: list[float] = field(default_factory=lambda: [0.0] * len(SERVING_FEATURES))  # zeros: not serving
 
     def step_time(self, plan) -> float:
-        t = dot(self.c, step_features(plan, self.block_size))
+        t = predict(self.planes, step_features(plan, self.block_size))
         if any(self.serve):
             t += dot(self.serve, serving_features(plan))
         return t
 
     def decode_time(self, rows: int, ctx: int, blocks: int) -> float:
-        c, s = self.c, self.serve
-        return c[0] + c[1] * rows + c[2] * ctx + c[6] * blocks + s[0] + s[2] * rows
+        """A decode-only step's time (skip-ahead): ``step_time`` of such a plan, from its counts."""
+        s = self.serve
+        return predict(self.planes, [1.0, rows, ctx, 0.0, 0.0, 0.0, blocks]) + s[0] + s[2] * rows
 
 
 @dataclass
 class CostModel:
-    """A profile: coefficients per cache kind and where they were measured."""
+    """A profile: coefficients per cache kind (a list of planes each; a flat list given here is
+    one plane) and where they were measured."""
 
-    coefs: dict[str, list[float]]
+    coefs: dict[str, list[list[float]]]
     model: str = "?"
     dtype: str = "?"
     device: str = "cpu"
@@ -115,12 +139,15 @@ class CostModel:
     # within minutes. A run to compare with the profile measures it too.
     read_gbps: list = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.coefs = {kind: as_planes(c) for kind, c in self.coefs.items()}
+
     def for_cache(self, cache, serving: bool = False) -> Coefs:
         """The coefficients for ``cache``; with ``serving``, plus the serving section's (one
         sentence when the profile has none)."""
         from ..errors import UsageError
         c = self.coefs.get(cache.kind) or next(iter(self.coefs.values()))
-        out = Coefs(list(c), cache_block_size(cache))
+        out = Coefs([list(p) for p in c], cache_block_size(cache))
         if serving:
             if not self.serving.get("coefs"):
                 raise UsageError("this cost profile has no serving section: make one with "
@@ -154,10 +181,15 @@ class CostModel:
             raise UsageError(f"{path} is not a tinyllm cost profile (no 'coefs'); make one with "
                              f"'tinyllm simulate calibrate --output FILE'")
         for kind, c in d["coefs"].items():
-            if isinstance(c, list) and len(c) == len(FEATURES) - 1:
-                c.append(0.0)  # a version-1 profile: no per-block cost measured
-            if not (isinstance(c, list) and len(c) == len(FEATURES) and all(isinstance(x, (int, float)) for x in c)):
-                raise UsageError(f"{path}: coefs[{kind!r}] must be {len(FEATURES)} numbers ({', '.join(FEATURES)})")
+            if isinstance(c, list) and c and all(isinstance(x, (int, float)) for x in c):
+                c = d["coefs"][kind] = [c]  # version 1 or 2: one plane
+            for plane in c if isinstance(c, list) and c else [None]:
+                if isinstance(plane, list) and len(plane) == len(FEATURES) - 1:
+                    plane.append(0.0)  # a version-1 profile: no per-block cost measured
+                if not (isinstance(plane, list) and len(plane) == len(FEATURES)
+                        and all(isinstance(x, (int, float)) for x in plane)):
+                    raise UsageError(f"{path}: coefs[{kind!r}] must be one or two lists of {len(FEATURES)} numbers "
+                                     f"({', '.join(FEATURES)})")
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -216,39 +248,95 @@ def nnls(X: list[list[float]], y: list[float], weights: list[float] | None = Non
         active.remove(min(neg, key=lambda i: sol[i]))
 
 
-def robust_nnls(X: list[list[float]], y: list[float], keep_always=None) -> tuple[list[float], list[int]]:
-    """``nnls`` robust to a busy machine: samples far off the fit (over 5 median absolute
-    residuals) are dropped and the rest refitted, twice; ``keep_always(i)`` samples are never
-    dropped. The coefficients, and the indices of the samples they were fitted on."""
-    c, keep = [float(x) for x in nnls(X, y)], list(range(len(y)))
+def robust(fitter, X: list[list[float]], y: list[float], keep_always=None) -> tuple[list[list[float]], list[int]]:
+    """``fitter(X, y)`` (it returns planes) robust to a busy machine: samples far off the fit (over
+    5 median absolute residuals) are dropped and the rest refitted, twice; ``keep_always(i)``
+    samples are never dropped. The planes, and the indices of the samples they were fitted on."""
+    planes, keep = fitter(X, y), list(range(len(y)))
     for _ in range(2):
-        res = [t - dot(c, f) for f, t in zip(X, y)]
+        res = [t - predict(planes, f) for f, t in zip(X, y)]
         mad = sorted(abs(r) for r in res)[len(res) // 2] or 1e-9
         keep = [i for i, r in enumerate(res) if (keep_always is not None and keep_always(i)) or abs(r) <= 5 * mad]
-        c = [float(x) for x in nnls([X[i] for i in keep], [y[i] for i in keep])]
-    return c, keep
+        planes = fitter([X[i] for i in keep], [y[i] for i in keep])
+    return planes, keep
 
 
-def fit(samples: list[tuple[list[float], float]]) -> tuple[list[float], dict]:
-    """Coefficients from (features, seconds) samples: plain (unweighted) non-negative least
-    squares, which keeps the sum of step times, so throughput and latencies, right."""
+def one_plane(X: list[list[float]], y: list[float]) -> list[list[float]]:
+    return [[float(x) for x in nnls(X, y)]]
+
+
+# The first splits of the steps between two planes tried: fewer new tokens (decode rows plus
+# prefill tokens) than this start on the memory-bound plane. The alternation moves steps from
+# there, to a fixed point that depends on where it starts, so each is tried and the best kept.
+SPLIT_TOKENS = (8, 32, 128)
+# Two planes replace one only when they fit the steps' relative errors clearly better (their mean
+# square by this factor) and do not fit the times themselves worse: where one plane is right (a
+# linear host, model or test) it stays, coefficients and all.
+PLANE_GAIN = 0.9
+
+
+def two_planes(X: list[list[float]], y: list[float]) -> list[list[float]]:
+    """Two planes whose maximum fits the samples: each step is assigned to the plane that predicts
+    it higher and each plane refitted on its steps (non-negative least squares), until no step
+    moves (at most 50 rounds), from each of the ``SPLIT_TOKENS`` starts; the best by squared
+    error. One plane (``one_plane``) when no start leaves both sides enough steps to fit (twice
+    the features)."""
+    best, best_sse = one_plane(X, y), math.inf
+    for split in SPLIT_TOKENS:
+        low, planes = [f[1] + f[3] < split for f in X], None
+        for _ in range(50):
+            sides = [[i for i, b in enumerate(low) if b == side] for side in (True, False)]
+            if min(len(sd) for sd in sides) < 2 * len(X[0]):
+                break
+            planes = [[float(x) for x in nnls([X[i] for i in sd], [y[i] for i in sd])] for sd in sides]
+            moved = [dot(planes[0], f) >= dot(planes[1], f) for f in X]
+            if moved == low:
+                break
+            low = moved
+        if planes is not None:
+            sse = sum((t - predict(planes, f)) ** 2 for f, t in zip(X, y))
+            if sse < best_sse:
+                best, best_sse = planes, sse
+    return best
+
+
+def fit_planes(X: list[list[float]], y: list[float], keep_always=None,
+               max_planes: int = 2) -> tuple[list[list[float]], list[int]]:
+    """One plane, or two (``two_planes``) when, over the steps the one-plane fit kept, they cut
+    the mean square relative error by ``PLANE_GAIN`` without a larger squared error; robust
+    (``robust``) past 20 steps. The planes and the indices of the samples they were fitted on."""
+    if len(y) <= 20:
+        return one_plane(X, y), list(range(len(y)))
+    one, keep = robust(one_plane, X, y, keep_always)
+    if max_planes < 2:
+        return one, keep
+    two, keep2 = robust(two_planes, X, y, keep_always)
+
+    def errors(planes):
+        res = [(y[i], y[i] - predict(planes, X[i])) for i in keep]
+        return sum(r * r for _, r in res), sum((r / t) ** 2 for t, r in res if t > 0)
+    (sse1, rel1), (sse2, rel2) = errors(one), errors(two)
+    exact = rel1 <= 1e-6 * len(keep)  # one plane within 0.1% RMS: nothing for a second to fit
+    return (two, keep2) if len(two) > 1 and not exact and sse2 <= sse1 and rel2 < PLANE_GAIN * rel1 else (one, keep)
+
+
+def fit(samples: list[tuple[list[float], float]], max_planes: int = 2) -> tuple[list[list[float]], dict]:
+    """Planes from (features, seconds) samples: plain (unweighted) non-negative least squares
+    (``fit_planes``), which keeps the sum of step times, so throughput and latencies, right."""
     X = [f for f, _ in samples]
     y = [t for _, t in samples]
     # Decode steps slowed by other processes are dropped (over 20 steps); steps with prefill are
     # few and far apart in size, so they are always kept.
-    if len(y) > 20:
-        c, keep = robust_nnls(X, y, keep_always=lambda i: X[i][3] > 0)
-    else:
-        c, keep = [float(x) for x in nnls(X, y)], list(range(len(y)))
+    planes, keep = fit_planes(X, y, keep_always=lambda i: X[i][3] > 0, max_planes=max_planes)
     dropped = len(y) - len(keep)
-    pred = [dot(c, f) for f in X]
+    pred = [predict(planes, f) for f in X]
     rel = sorted(abs(p - t) / t for p, t in zip(pred, y) if t > 0)
     mean = sum(y) / len(y)
     ss = sum((t - mean) ** 2 for t in y) or 1e-12
     r2 = 1 - sum((p - t) ** 2 for p, t in zip(pred, y)) / ss
     total = sum(pred) / max(sum(y), 1e-12) - 1
-    return c, {"steps": len(y), "outliers_dropped": dropped, "r2": round(float(r2), 4), "median_rel_err": round(float(rel[len(rel) // 2]), 4),
-               "total_time_err": round(float(total), 4)}
+    return planes, {"steps": len(y), "planes": len(planes), "outliers_dropped": dropped, "r2": round(float(r2), 4),
+                    "median_rel_err": round(float(rel[len(rel) // 2]), 4), "total_time_err": round(float(total), 4)}
 
 
 def wall_time(features: list[float], wall_s: float) -> float:
@@ -310,17 +398,17 @@ def plan_seqs(plan) -> set[int]:
             | {v.seq.seq_id for v in plan.verify})
 
 
-def fit_serving(timer: ServingTimer, base: list[float]) -> tuple[list[float], dict]:
-    """The serving coefficients: what the served steps took beyond the offline model ``base``
+def fit_serving(timer: ServingTimer, base: list[list[float]]) -> tuple[list[float], dict]:
+    """The serving coefficients: what the served steps took beyond the offline model ``base`` (planes)
     says, by non-negative least squares on ``serving_features``, robust as the offline fit is
-    (``robust_nnls``): on the slot cache a few steps that start a request ran 100-450 ms over, and
+    (``robust``): on the slot cache a few steps that start a request ran 100-450 ms over, and
     left in they put ~20 ms on every starting request. The figures say how well all the timed
     steps are predicted without and with the coefficients, and how many were left out of the fit."""
     y = [t for _, t in timer.samples]
-    plain = [dot(base, f) for f, _ in timer.samples]
+    plain = [predict(base, f) for f, _ in timer.samples]
     X = timer.serving
     excess = [t - p for t, p in zip(y, plain)]
-    s, keep = robust_nnls(X, excess) if X else ([0.0] * len(SERVING_FEATURES), [])
+    (s,), keep = robust(one_plane, X, excess) if X else ([[0.0] * len(SERVING_FEATURES)], [])
     served = [p + dot(s, sf) for p, sf in zip(plain, X)]
 
     def figures(pred):
@@ -345,11 +433,11 @@ OUTLIER_Z, OUTLIER_REL = 3.5, 0.10
 POOR_MEDIAN_ERR, POOR_R2, POOR_TOTAL_ERR = 0.10, 0.99, 0.05
 
 
-def outliers(samples: list[tuple[list[float], float]], c: list[float]) -> list[int]:
-    """Indices of the samples whose relative error against coefficients ``c`` is an outlier."""
+def outliers(samples: list[tuple[list[float], float]], planes: list[list[float]]) -> list[int]:
+    """Indices of the samples whose relative error against ``planes`` is an outlier."""
     rel = []
     for f, t in samples:
-        p = dot(c, f)
+        p = predict(planes, f)
         rel.append((t - p) / p if p > 0 else 0.0)
     if len(rel) < 20:
         return []
@@ -371,7 +459,7 @@ def judge(info: dict) -> list[str]:
     return why
 
 
-def retime(runs: list[list[tuple[list[float], float]]], again, c: list[float]) -> int:
+def retime(runs: list[list[tuple[list[float], float]]], again, c: list[list[float]]) -> int:
     """Time the outlier steps again: ``again(w)`` reruns workload ``w`` (the same seeded requests
     and settings, so the same step shapes in the same order) and an outlier step keeps the
     shorter of its two timings (interference only ever slows a step down). Returns how many
@@ -388,10 +476,12 @@ def retime(runs: list[list[tuple[list[float], float]]], again, c: list[float]) -
     return n
 
 
-def fit_checked(runs: list[list[tuple[list[float], float]]], again) -> tuple[list[float], dict]:
+def fit_checked(runs: list[list[tuple[list[float], float]]], again) -> tuple[list[list[float]], dict]:
     """Fit, retime the outlier steps once (``retime``), fit again and judge the result: the
-    figures gain ``retimed``, ``quality`` ("good" or "poor") and, when poor, ``poor_because``."""
-    c, _ = fit([s for run in runs for s in run])
+    figures gain ``retimed``, ``quality`` ("good" or "poor") and, when poor, ``poor_because``.
+    The outliers are found against one plane: a second one, fitted before the retiming, could
+    take a busy spell's slowed steps for a regime of their own."""
+    c, _ = fit([s for run in runs for s in run], max_planes=1)
     n = retime(runs, again, c)
     c, info = fit([s for run in runs for s in run])
     why = judge(info)
@@ -401,14 +491,28 @@ def fit_checked(runs: list[list[tuple[list[float], float]]], again) -> tuple[lis
 
 # ---- calibration -----------------------------------------------------------------------------
 
-CALIBRATION = [  # (prompts, mean prompt length, output length, max_num_seqs): prefill- to decode-heavy
-    (24, 512, 16, 16), (48, 64, 96, 48), (32, 192, 48, 32), (8, 32, 128, 8), (64, 24, 48, 64),
-    (12, 1024, 8, 4),
+CALIBRATION = [  # (prompts, mean prompt length, mean output length, max_num_seqs, output range ratio):
+    # prefill- to decode-heavy
+    (24, 512, 16, 16, 0.0), (48, 64, 96, 48, 0.0), (32, 192, 48, 32, 0.0), (8, 32, 128, 8, 0.0),
+    (64, 24, 48, 64, 0.0), (12, 1024, 8, 4, 0.0),
     # one and two rows a step, as a lightly loaded server runs: without them the fit, led by the
     # batched steps, charged such steps ~30% too little (2 rows: 10.7 ms fitted, 14.4 ms timed)
-    (6, 96, 64, 2),
+    (6, 96, 64, 2, 0.0),
+    # one prompt at a time beside a few decode rows, as a server admits its arrivals (outputs of
+    # 6-42 tokens, so the rows finish one by one): the batched workloads' prompt steps are of
+    # 1-2k tokens, and a 128-token prompt step was fitted from them alone 40% too long (82 ms
+    # against 58 on the default model)
+    (32, 128, 24, 4, 0.75),
 ]
 CALIBRATION_BLOCK_SIZES = (16, 8, 32)  # paged workloads cycle through these, so c_blk is identifiable
+
+
+def output_lens(num: int, out: int, ratio: float, seed: int) -> list[int]:
+    """Seeded output lengths uniform in out*(1-r)..out*(1+r) (all ``out`` when r is 0)."""
+    import random
+    rng = random.Random(seed)
+    lo, hi = max(1, int(out * (1 - ratio))), max(1, int(out * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(num)]
 
 
 def _time_workload(llm, kind: str, i: int, scale: float, source) -> list[tuple[list[float], float]]:
@@ -418,18 +522,21 @@ def _time_workload(llm, kind: str, i: int, scale: float, source) -> list[tuple[l
     from ..workload import random_prompts, requests_for
     mcfg = llm.runtime.model_cfg
     limit = min(llm.config.cache.max_model_len, mcfg.max_position_embeddings)
-    num, inp, out, mns = CALIBRATION[i]
+    num, inp, out, mns, out_ratio = CALIBRATION[i]
     num = max(2, int(num * scale))
     inp = max(4, min(int(inp * scale), limit // 2))
-    out = max(4, min(int(out * scale), limit - 2 * inp))
+    out = max(4, min(int(out * scale), (limit - 2 * inp) // 2 if out_ratio else limit - 2 * inp))
     bs = CALIBRATION_BLOCK_SIZES[i % len(CALIBRATION_BLOCK_SIZES)] if kind == "paged" else llm.config.cache.block_size
     c = dataclasses.replace(llm.config.cache, kind=kind, prefix_caching=False, block_size=bs)
     s = dataclasses.replace(llm.config.scheduler, max_num_seqs=mns)
     llm.reconfigure(config=dataclasses.replace(llm.config, cache=c, scheduler=s))
+    reqs = requests_for(random_prompts(mcfg, num, inp, 0.5, seed=100 + i), out)
+    for r, n in zip(reqs, output_lens(num, out, out_ratio, seed=200 + i)):
+        r.params.max_new_tokens = n
     timer = StepTimer(source)
     llm.engine.add_observer(timer)
     timer.gap()
-    for _ in llm.run(requests_for(random_prompts(mcfg, num, inp, 0.5, seed=100 + i), out)):
+    for _ in llm.run(reqs):
         pass
     return timer.samples
 
