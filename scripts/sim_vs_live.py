@@ -3,7 +3,7 @@ p50 TPOT and preemptions side by side, with the relative error of each.
 
     python scripts/sim_vs_live.py [--rates 1,3,6] [--num-requests 60] [--input-len 128] [--output-len 32]
                                   [--caches paged,slot] [--cost-profile P.json] [--serving]
-                                  [--model default] [--json out.json]
+                                  [--model default] [--json out.json] [--live earlier.json]
 
 For each cache setting (paged with a tight pool that preempts; slot) one `tinyllm serve` is
 started on 127.0.0.1 (a subprocess, as users start it) and warmed up with a few requests; then
@@ -16,6 +16,9 @@ for each rate a seeded Poisson trace (`simulate`'s format) is written and
 both as subprocesses, one after the other (never sharing the cores). Both report the same keys
 (`output_tokens_per_s`, `ttft_s`, `tpot_s`, preemptions); the table goes to stderr, the rows (with
 the load average and the host's read bandwidth before and after each live run) to `--json`.
+`--live FILE` takes the live rows of an earlier `--json` instead of starting servers (its
+workload, caches and rates; the other workload flags are ignored) and simulates the same traces
+with this run's profile: two profiles or two cost models compared on one live measurement.
 Timed: run it under the measurement lock on a quiet machine. The bandwidth is beside the
 profile's own (``read_gbps``, measured around its calibration) because a few-row step streams
 the weights: where the two differ, so do the step times, whatever the cost model.
@@ -114,7 +117,10 @@ def main() -> None:
     ap.add_argument("--serving", action="store_true", help="simulate --serving: charge the profile's serving section")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--live", type=Path, help="simulate the traces of this earlier --json's live rows; start no server")
     a = ap.parse_args()
+    if a.live:
+        return replay(a)
     rates = [float(x) for x in a.rates.split(",")]
     caches = [c.strip() for c in a.caches.split(",")]
     if unknown := [c for c in caches if c not in CACHES]:
@@ -157,6 +163,28 @@ def main() -> None:
             "workload": {"num_requests": a.num_requests, "input_len": a.input_len, "output_len": a.output_len,
                          "arrivals": "poisson", "seed": a.seed},
             "caches": {c: CACHES[c] for c in caches}, "command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")
+
+
+def replay(a) -> None:
+    """``--live``: the earlier run's live rows beside this profile's simulation of their traces."""
+    before = json.loads(a.live.read_text())
+    w = before["workload"]
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for r in before["rows"]:
+            trace = tmp / "trace.jsonl"
+            write_trace(generate_trace(w["num_requests"], w["input_len"], w["output_len"], arrivals="poisson",
+                                       rate=r["rate"], seed=w["seed"]), str(trace))
+            sm = simulated(before["caches"][r["cache"]], before["model"], a.cost_profile, a.serving, trace, tmp)
+            rows.append({k: v for k, v in r.items() if k not in ("sim_offline_model", "err_offline_model")}
+                        | {"sim": sm, "err": errors(r["live"], sm)})
+    print(table(rows), file=sys.stderr)
+    if a.json:
+        a.json.write_text(json.dumps(before | {
+            "cost_profile": a.cost_profile or "shipped default", "serving": a.serving,
+            "cost_profile_read_gbps": (CostModel.load(a.cost_profile).read_gbps or None) if a.cost_profile else None,
+            "live_from": str(a.live), "command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
