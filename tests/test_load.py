@@ -60,6 +60,34 @@ def test_same_seed_same_schedule_and_prompts_other_seed_other_times():
     assert [p.prompt for p in a] != [p.prompt for p in other]
 
 
+def test_other_workload_seeds_and_other_traces_share_no_prompt_prefix(tmp_path):
+    """Each run of a sweep made of separate ``tinyllm load`` processes (benchmarks/serving: one per
+    rate, its own --workload-seed, every prompt 128 tokens) sends prompts of its own: no two
+    runs' prompts share a first block, so a prefix-caching server finds nothing left over. The
+    serial that keeps a run's prompts apart restarts in every process, and until the seed moved
+    the ids, request k of every seed was the same prompt. Two traces (two rates' arrival times)
+    likewise; one trace gives the same ids to ``tinyllm load`` and to ``simulate``."""
+    from tinyllm_cli.sim.trace import to_requests
+    from tinyllm_cli.traces import read_trace, trace_salt, write_trace
+
+    def first_blocks(w, n=40):
+        return {tuple(p.prompt[:16]) for p in plan(Prompts(w), None, 1.0, seed=0, num_requests=n, duration_s=None)}
+    one, two = (first_blocks(Workload(input_len=128, range_ratio=0.0, seed=s)) for s in (1, 2))
+    assert len(one) == len(two) == 40 and not one & two
+    assert first_blocks(Workload(input_len=128, range_ratio=0.0, seed=1)) == one  # the same seed, the same prompts
+    traces = []
+    for rate in (1.0, 4.0):
+        path = tmp_path / f"t{rate:g}.jsonl"
+        write_trace(generate_trace(20, 64, 8, arrivals="poisson", rate=rate, seed=0), str(path))
+        traces.append(path)
+    sent = [[p.prompt for p in plan(Prompts(Workload(trace=str(t), vocab_size=49152)), None, 1.0, seed=0,
+                                      num_requests=None, duration_s=None)] for t in traces]
+    assert not {tuple(x[:16]) for x in sent[0]} & {tuple(x[:16]) for x in sent[1]}
+    for t, ids in zip(traces, sent):
+        simulated = [r.prompt_token_ids for r in to_requests(read_trace(str(t)), 49152, salt=trace_salt(str(t)))]
+        assert simulated == ids
+
+
 def test_a_sweep_sends_new_prompts_at_each_rate_reproducibly_and_inf_all_at_once():
     def sweep():
         prompts = Prompts(Workload(prefix_len=6, num_prefixes=2))

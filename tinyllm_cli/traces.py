@@ -112,16 +112,35 @@ def read_trace(path: str) -> Iterator[TraceItem]:
 
 # ---- tokens ----------------------------------------------------------------------------------
 
+def trace_salt(path: str) -> int:
+    """The ``TokenMaker`` salt of a trace file: a digest of its bytes, so two traces (two rates'
+    arrival times) get other prompts, and a trace gets the same ones in every process that reads
+    it (``tinyllm load --trace`` and ``simulate --trace`` send the same ids)."""
+    import zlib
+    digest = 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest = zlib.crc32(chunk, digest)
+    except OSError as e:
+        raise UsageError(f"cannot read the trace {path}: {e.strerror}")
+    return digest
+
+
 class TokenMaker:
     """Prompt token ids for items that give only lengths: a group's shared prefix, then tokens
     that make this request's prompt unique (its serial number), then filler. Ids stay in the
-    vocabulary, above the special tokens."""
+    vocabulary, above the special tokens. ``salt`` (a workload seed, or ``trace_salt``) moves
+    every prefix and filler: the serial restarts at 1 in every process, so without it two runs
+    of other seeds sent the same prompts, and a server's prefix cache found each run's prompts
+    left over from the run before (salt 0 makes the ids it always made)."""
 
-    def __init__(self, vocab: int):
+    def __init__(self, vocab: int, salt: int = 0):
         self.low = 4
         self.span = max(2, vocab - self.low)
         self.groups: dict[object, list[int]] = {}
         self.serial = 0
+        self.shift = salt * 0x9E3779B97F4A7C15  # a salt's runs start far from the next salt's
 
     def _run(self, seed: int, n: int) -> list[int]:
         lo, span = self.low, self.span
@@ -141,7 +160,7 @@ class TokenMaker:
                 key = len(self.groups) + 1 if g is None else None
                 base = g or []
                 seed = 7 * (key or 1)
-                g = base + self._run(seed * 1000003 + len(base), item.prefix_len - len(base))
+                g = base + self._run(seed * 1000003 + len(base) + self.shift, item.prefix_len - len(base))
                 self.groups[item.prefix_group] = g
             prefix = g[:item.prefix_len]
         rest = item.prompt_len - len(prefix)
@@ -150,7 +169,7 @@ class TokenMaker:
             tag.append(self.low + s % self.span)
             s //= self.span
         tag = tag[:rest]
-        return prefix + tag + self._run(self.serial * 2654435761, rest - len(tag))
+        return prefix + tag + self._run(self.serial * 2654435761 + self.shift, rest - len(tag))
 
 
 # ---- generators --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from ..report import stderr_console
 from ..sim.cost import CostModel, bandwidth_moved, bandwidth_words, calibrate, default_profile_path
 from ..sim.run import Simulation
 from ..sim.trace import serve_arrivals
-from ..traces import generate_trace, read_trace, write_trace
+from ..traces import generate_trace, read_trace, trace_salt, write_trace
 from .common import finish_run, int_list, write_json
 
 SWEEPS = {"block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
@@ -64,11 +64,11 @@ def slo_view(summary: dict, ttft_slo: float | None, tpot_slo: float | None, good
 
 
 def run_one(cfg: Config, cost: CostModel, items, ttft_slo, tpot_slo, skip_ahead=True,
-            max_waiting: int | None = None, serving: bool = False) -> dict:
+            max_waiting: int | None = None, serving: bool = False, salt: int = 0) -> dict:
     sim = Simulation(cfg, cost, skip_ahead=skip_ahead, max_waiting=max_waiting, serving=serving)
     t0 = time.perf_counter()
     good = total = 0
-    for out in sim.run(items()):
+    for out in sim.run(items(), salt=salt):
         total += 1
         ok = out.finish_reason != "error"
         if ttft_slo is not None:
@@ -111,6 +111,7 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
         raise UsageError("--sweep makes one run per point: write its rows with --json FILE, not --stats-json")
     cost = load_profile(cost_profile)
     items = trace_items(trace, gen, replay_rate, cfg.sampling.run_seed)
+    salt = trace_salt(trace) if trace else gen["seed"]  # the prompts tinyllm load sends for them
     if save_trace:
         n = write_trace(items(), save_trace)
         if not quiet:
@@ -118,7 +119,7 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
     points = _sweep_configs(cfg, sweep)
     rows = []
     for label, c in points:
-        s = run_one(c, cost, items, ttft_slo, tpot_slo, skip_ahead, max_waiting, serving)
+        s = run_one(c, cost, items, ttft_slo, tpot_slo, skip_ahead, max_waiting, serving, salt)
         rows.append(s | ({"sweep": label} if label else {}))
         if not quiet and len(points) > 1:
             print(f"simulated {label}: {s['num_requests']} requests, {s['elapsed_s']:.1f} s simulated "

@@ -69,9 +69,11 @@ class Simulation:
     def _end(self) -> float:
         return max(e.now for e in self.engines)
 
-    def run(self, items: Iterable) -> Iterator[RequestOutput]:
+    def run(self, items: Iterable, salt: int = 0) -> Iterator[RequestOutput]:
+        """The items' outputs as they finish; ``salt``: the ``TokenMaker`` salt of prompts given
+        by length (as ``tinyllm load`` would send them for the same workload seed or trace)."""
         vocab = self.engines[0].engine.model.cfg.vocab_size
-        reqs = to_requests(items, vocab)
+        reqs = to_requests(items, vocab, salt=salt)
         if len(self.engines) == 1:
             yield from self._run_one(self.engines[0], reqs)
         else:

@@ -11,9 +11,10 @@ from ..errors import UsageError
 from ..traces import TokenMaker, TraceItem
 
 
-def to_requests(items, vocab: int, index0: int = 0) -> Iterator[Request]:
-    """Greedy ``ignore_eos`` requests that generate exactly ``output_len`` tokens each."""
-    maker = TokenMaker(vocab)
+def to_requests(items, vocab: int, index0: int = 0, salt: int = 0) -> Iterator[Request]:
+    """Greedy ``ignore_eos`` requests that generate exactly ``output_len`` tokens each; prompts
+    given by length get ``TokenMaker(vocab, salt)``'s ids."""
+    maker = TokenMaker(vocab, salt)
     params: dict[int, SamplingParams] = {}
     for i, it in enumerate(items, index0):
         p = params.get(it.output_len)
