@@ -280,7 +280,7 @@ def test_serving_timer_times_only_back_to_back_steps(monkeypatch):
     def seq(i, n=40, out=0):
         return NS(seq_id=i, num_tokens=n, num_output=out, pending=[])
     engine = NS(cache=NS(kind="slot"))
-    a, b = seq(1), seq(2)
+    a, b = seq(1), seq(2, n=8)
     timer = ServingTimer()
     steps = [Plan(prefill=[Chunk(a, 0, 40)]),           # after an idle wait: a new request
              Plan(decode=[a]),                            # 10 ms, continues a
@@ -291,4 +291,24 @@ def test_serving_timer_times_only_back_to_back_steps(monkeypatch):
     for p in steps:
         timer(engine, p)
     assert [round(t, 6) for _, t in timer.samples] == [0.010, 0.012, 0.013, 0.017]
-    assert [sf[1] for sf in timer.serving] == [0, 1, 0, 0]  # requests starting
+    assert [sf[1] for sf in timer.serving] == [0, 1, 0, 0]  # requests answered
+
+
+def test_serving_features_count_each_request_once():
+    """A request counts once, at the chunk that completes its prompt: not at an earlier chunk of
+    a chunked prompt, also when a cached prefix let it start past position 0, and not again when
+    a preempted request recomputes (it has output)."""
+    from types import SimpleNamespace as NS
+
+    from tinyllm_cli.engine.scheduler import Chunk, Plan
+    from tinyllm_cli.sim.cost import serving_features
+
+    def seq(i, n, out=0):
+        return NS(seq_id=i, num_tokens=n, num_output=out, pending=[])
+    long, hit, back = seq(1, 100), seq(2, 40), seq(3, 50, out=6)
+    assert serving_features(Plan(prefill=[Chunk(long, 0, 64)]))[1] == 0   # first of two chunks
+    assert serving_features(Plan(prefill=[Chunk(long, 64, 36)]))[1] == 1  # the prompt completes
+    assert serving_features(Plan(prefill=[Chunk(hit, 32, 8)]))[1] == 1    # past a 32-token prefix hit
+    assert serving_features(Plan(prefill=[Chunk(back, 0, 50)]))[1] == 0   # a preempted request's recompute
+    both = serving_features(Plan(prefill=[Chunk(long, 64, 36), Chunk(hit, 32, 8)], decode=[seq(4, 9, 1)]))
+    assert both == [1.0, 2, 3]  # the step, two requests answered, three rows sampled

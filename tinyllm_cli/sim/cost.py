@@ -31,7 +31,7 @@ relative error is an outlier are timed again (their workload rerun) and keep the
 the fit is redone, and one still poor by the thresholds in ``judge`` is saved marked
 ``fit_quality: poor`` (``simulate`` warns when it uses such a profile). An optional ``serving``
 section (``calibrate --serving``) holds what ``tinyllm serve``'s HTTP side adds to a step, per
-cache kind: per step, per starting request and per streamed token (``serving_features``), charged only by
+cache kind: per step, per request answered and per streamed token (``serving_features``), charged only by
 ``simulate --serving``. The profile is a small JSON that names the model, dtype, device, CPU and thread count it was measured on, and carries
 the model's shape (so ``simulate`` needs no weights).
 """
@@ -88,11 +88,14 @@ SERVING_FEATURES = ("per_step", "per_request", "per_token")
 
 def serving_features(plan) -> list[float]:
     """What ``tinyllm serve``'s HTTP side adds to a step, in its units: the step (the metrics
-    snapshot, the hand-over of its events), requests starting (a request whose first prefill
-    chunk runs: parsed, queued, answered) and streamed tokens (one chunk each: detokenized,
-    encoded, written)."""
+    snapshot, the hand-over of its events), requests answered (a request's prompt completes and
+    its first token is sampled: parsed, queued, its response begun) and streamed tokens (one
+    chunk each: detokenized, encoded, written). A request counts once, at its last prompt chunk,
+    however its prompt was chunked and wherever a cached prefix let it start (counting first
+    chunks at position 0 missed every request that hit the prefix cache); a preempted request's
+    recompute is not counted again (it has output)."""
     from ..engine.runner import samplers_of
-    new = sum(1 for c in plan.prefill if c.start == 0 and c.seq.num_output == 0)
+    new = sum(1 for c in plan.prefill if c.completes_prompt and c.seq.num_output == 0)
     return [1.0, new, len(samplers_of(plan))]
 
 
