@@ -127,6 +127,13 @@ def trace_salt(path: str) -> int:
     return digest
 
 
+def prompt_salt(trace: str | None, workload_seed: int) -> int:
+    """The ``TokenMaker`` salt of a run's prompts: the trace file's (``trace_salt``), or else
+    the random workload's seed. ``tinyllm load`` and ``simulate`` both take it from here, so the
+    same trace or seed makes the same ids in each."""
+    return trace_salt(trace) if trace is not None else workload_seed
+
+
 class TokenMaker:
     """Prompt token ids for items that give only lengths: a group's shared prefix, then tokens
     that make this request's prompt unique (its serial number), then filler. Ids stay in the
@@ -174,7 +181,8 @@ class TokenMaker:
 
 # ---- generators --------------------------------------------------------------------------------
 
-def _length(rng: random.Random, mean: int, ratio: float) -> int:
+def uniform_length(rng: random.Random, mean: int, ratio: float) -> int:
+    """A length uniform in mean*(1-r)..mean*(1+r), at least 1 (vLLM's random-dataset convention)."""
     lo = max(1, int(mean * (1 - ratio)))
     hi = max(lo, int(mean * (1 + ratio)))
     return rng.randint(lo, hi)
@@ -199,8 +207,8 @@ def generate_trace(num: int, input_len: int, output_len: int, *, arrivals: str =
             t += rng.gammavariate(shape, 1.0 / (rate * shape))
             arr = round(t, 6)
         g = i % num_prefixes if prefix_len else None
-        plen = _length(rng, input_len, range_ratio) + (prefix_len if prefix_len else 0)
-        yield TraceItem(str(i), arr, plen, _length(rng, output_len, range_ratio), None, g,
+        plen = uniform_length(rng, input_len, range_ratio) + (prefix_len if prefix_len else 0)
+        yield TraceItem(str(i), arr, plen, uniform_length(rng, output_len, range_ratio), None, g,
                         prefix_len if prefix_len else 0)
 
 

@@ -18,7 +18,7 @@ from ..report import stderr_console
 from ..sim.cost import CostModel, bandwidth_moved, bandwidth_words, calibrate, default_profile_path
 from ..sim.run import Simulation
 from ..sim.trace import serve_arrivals
-from ..traces import generate_trace, read_trace, trace_salt, write_trace
+from ..traces import generate_trace, prompt_salt, read_trace, write_trace
 from .common import finish_run, int_list, write_json
 
 SWEEPS = {"block_size": ("cache", "block_size"), "num_blocks": ("cache", "num_blocks"),
@@ -111,7 +111,7 @@ def run_simulate(cfg: Config, *, trace: str | None, cost_profile: Path | None, g
         raise UsageError("--sweep makes one run per point: write its rows with --json FILE, not --stats-json")
     cost = load_profile(cost_profile)
     items = trace_items(trace, gen, replay_rate, cfg.sampling.run_seed)
-    salt = trace_salt(trace) if trace else gen["seed"]  # the prompts tinyllm load sends for them
+    salt = prompt_salt(trace, gen["seed"])  # the prompts tinyllm load sends for them
     if save_trace:
         n = write_trace(items(), save_trace)
         if not quiet:

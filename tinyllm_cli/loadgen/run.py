@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import aiohttp
+
 from .client import ServerGone, auth_headers, body, reachable, send
 from .metrics import Sampler, metrics_url
 from .records import RequestRecord, summarize
@@ -52,7 +54,7 @@ class RateResult:
     gone: str | None = None  # why the run ended early: the server stopped answering
 
 
-async def run_rate(client, target: Target, planned: Iterable[Planned],
+async def run_rate(client: aiohttp.ClientSession, target: Target, planned: Iterable[Planned],
                    on_done: Callable[[RequestRecord], None] = lambda r: None) -> RateResult:
     """Send one schedule and wait for every answer (or for the server to go away)."""
     sampler = Sampler(client, metrics_url(target.base_url), target.headers) if target.server_metrics else None

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..traces import TokenMaker, generate_trace, read_trace, trace_salt
+from ..traces import TokenMaker, generate_trace, prompt_salt, read_trace
 
 
 @dataclass(slots=True)
@@ -133,7 +133,7 @@ class Prompts:
 
     def __init__(self, w: Workload):
         self.w = w
-        self.maker = TokenMaker(w.vocab_size, trace_salt(w.trace) if w.trace is not None else w.seed)
+        self.maker = TokenMaker(w.vocab_size, prompt_salt(w.trace, w.seed))
         self.stream = None
 
     def next_run(self, time_scale: float = 1.0) -> Iterator[Planned]:

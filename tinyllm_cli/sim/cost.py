@@ -291,7 +291,7 @@ def two_planes(X: list[list[float]], y: list[float]) -> list[list[float]]:
             sides = [[i for i, b in enumerate(low) if b == side] for side in (True, False)]
             if min(len(sd) for sd in sides) < 2 * len(X[0]):
                 break
-            planes = [[float(x) for x in nnls([X[i] for i in sd], [y[i] for i in sd])] for sd in sides]
+            planes = [one_plane([X[i] for i in sd], [y[i] for i in sd])[0] for sd in sides]
             moved = [dot(planes[0], f) >= dot(planes[1], f) for f in X]
             if moved == low:
                 break
@@ -513,9 +513,10 @@ CALIBRATION_BLOCK_SIZES = (16, 8, 32)  # paged workloads cycle through these, so
 def output_lens(num: int, out: int, ratio: float, seed: int) -> list[int]:
     """Seeded output lengths uniform in out*(1-r)..out*(1+r) (all ``out`` when r is 0)."""
     import random
+
+    from ..traces import uniform_length
     rng = random.Random(seed)
-    lo, hi = max(1, int(out * (1 - ratio))), max(1, int(out * (1 + ratio)))
-    return [rng.randint(lo, hi) for _ in range(num)]
+    return [uniform_length(rng, out, ratio) for _ in range(num)]
 
 
 def _time_workload(llm, kind: str, i: int, scale: float, source) -> list[tuple[list[float], float]]:
