@@ -51,6 +51,7 @@ from .engine.dispatch import least_loaded
 from .engine.request import Delta, Request, RequestOutput, request_seed
 from .engine.stats import RunStats, merge_worker_summaries
 from .errors import TinyLLMError, UsageError
+from .machine import installed
 from .runtime import Placement, Runtime, make_engine, runtime_from_checkpoint
 
 INSTALL = 'pip install "tinyllm[ray]"'
@@ -68,12 +69,7 @@ def import_ray():
 
 def require_ray() -> None:
     # Found without importing it: Ray reads its environment (auth mode, loopback mode) at import.
-    import importlib.util
-    try:
-        found = importlib.util.find_spec("ray") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    if not installed("ray"):
         raise UsageError(f"--workers and --ray-address need Ray, which is not installed: {INSTALL}")
 
 

@@ -1,8 +1,9 @@
 """What machine this is: the CPU's name for performance tables and profiles (every table names
 its CPU), with the platform's word where /proc/cpuinfo has none, an accelerator's name where a
 run is on one, and the CPU's feature flags for choices that depend on them (the kernels' build
-key, AMX), and how much memory a load or a KV pool can still take (the checkpoint loader in
-``model/`` and the pool in ``cache/`` both ask here). Imports nothing of the package, and torch
+key, AMX), how much memory a load or a KV pool can still take (the checkpoint loader in
+``model/`` and the pool in ``cache/`` both ask here), and which optional modules (the extras)
+are installed. Imports nothing of the package, and torch
 only inside the functions that need it.
 
 Invariants:
@@ -57,6 +58,16 @@ def device_name(device) -> str:
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"
     return str(device)
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` (a top-level name) is installed, found without importing it: an extra's
+    check runs before any model loads, and some extras act on import (Ray reads its environment)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec, a broken parent
+        return False
 
 
 # ---- memory ---------------------------------------------------------------------------------

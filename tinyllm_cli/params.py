@@ -1,6 +1,7 @@
 """Sampling parameters: what a request asks of the sampler, validated on construction. Config
 (``config.py``), the engine and the front ends all use this one type; it sits below them and
-imports nothing of the package (``engine.request`` re-exports it).
+imports nothing of the package but ``machine`` (whether xgrammar is installed; ``engine.request``
+re-exports it).
 
 Invariants:
 - A ``SamplingParams`` that exists is valid: ``__post_init__`` validates, and each bad field is
@@ -13,9 +14,10 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from dataclasses import dataclass, field, fields
+
+from .machine import installed
 
 STRUCTURED_INSTALL = "pip install 'tinyllm[structured]'"
 
@@ -23,7 +25,7 @@ STRUCTURED_INSTALL = "pip install 'tinyllm[structured]'"
 @functools.cache
 def structured_available() -> bool:
     """Whether the structured-output extra (xgrammar) is installed."""
-    return importlib.util.find_spec("xgrammar") is not None
+    return installed("xgrammar")
 
 
 def require_structured() -> None:

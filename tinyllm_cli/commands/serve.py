@@ -15,6 +15,7 @@ import sys
 
 from ..config import Config
 from ..errors import TinyLLMError, UsageError
+from ..machine import installed
 from .common import open_llm
 
 INSTALL = 'pip install "tinyllm[serve]"'
@@ -24,7 +25,7 @@ LOOPBACK = {"localhost", "::1"}
 def require_serve(command: str = "serve", modules=("fastapi", "uvicorn", "prometheus_client")) -> None:
     """What ``command`` needs of the serve extra (``serve``: FastAPI, uvicorn, prometheus_client;
     ``load``: aiohttp, prometheus_client), or one sentence naming the install command."""
-    missing = [m for m in modules if not _installed(m)]
+    missing = [m for m in modules if not installed(m)]
     if missing:
         verb = "is" if len(missing) == 1 else "are"
         raise UsageError(f"tinyllm {command} needs {', '.join(missing)}, which {verb} not installed: {INSTALL}")
@@ -32,14 +33,6 @@ def require_serve(command: str = "serve", modules=("fastapi", "uvicorn", "promet
 
 def require_load() -> None:
     require_serve("load", ("aiohttp", "prometheus_client"))
-
-
-def _installed(module: str) -> bool:
-    import importlib.util
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def is_loopback(host: str) -> bool:
