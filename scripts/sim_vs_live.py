@@ -2,7 +2,7 @@
 p50 TPOT and preemptions side by side, with the relative error of each.
 
     python scripts/sim_vs_live.py [--rates 1,3,6] [--num-requests 60] [--input-len 128] [--output-len 32]
-                                  [--caches paged,slot] [--cost-profile P.json] [--serving]
+                                  [--caches paged,slot] [--cost-profile P.json] [--serving] [--repeat 3]
                                   [--model default] [--json out.json] [--live earlier.json]
 
 For each cache setting (paged with a tight pool that preempts; slot) one `tinyllm serve` is
@@ -16,6 +16,12 @@ for each rate a seeded Poisson trace (`simulate`'s format) is written and
 both as subprocesses, one after the other (never sharing the cores). Both report the same keys
 (`output_tokens_per_s`, `ttft_s`, `tpot_s`, preemptions); the table goes to stderr, the rows (with
 the load average and the host's read bandwidth before and after each live run) to `--json`.
+`--repeat N` sends every trace N times, each pass through freshly started servers (a server that
+had seen a trace would find its prompts in its prefix cache), the passes one after another so
+that they meet the host at different moments: a row's live figures are then the medians, the
+error is against them, and the live runs' range is shown beside them (a simulation cannot be
+expected closer to one live run than two live runs of the same trace are to each other). The
+simulation is deterministic and runs once per trace.
 `--live FILE` takes the live rows of an earlier `--json` instead of starting servers (its
 workload, caches and rates; the other workload flags are ignored) and simulates the same traces
 with this run's profile: two profiles or two cost models compared on one live measurement.
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,18 +96,28 @@ def errors(live_f: dict, sim_f: dict) -> dict:
     return {name: None if not live_f[name] else round(sim_f[name] / live_f[name] - 1, 4) for name, _, _ in FIGURES}
 
 
+def median_runs(runs: list[dict]) -> tuple[dict, dict]:
+    """The live figures of repeated runs of one trace: each figure's median, and its [min, max]."""
+    keys = [name for name, _, _ in FIGURES] + ["preemptions", "num_failed"]
+    med = {k: statistics.median(r[k] for r in runs) for k in keys}
+    return med, {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in keys}
+
+
 def table(rows: list[dict]) -> str:
     head = (["cache", "req/s"] + [f"{n} live / sim (err)" for n, _, _ in FIGURES]
-            + ["preempt live / sim", "load avg", "host read GB/s"])
+            + ["preempt live / sim", "load avg before / after", "host read GB/s"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        spread = r.get("live_range")  # repeated live runs: their [min, max] beside the median
+        span = (lambda k, f: f" [{f(spread[k][0])}-{f(spread[k][1])}]") if spread else (lambda k, f: "")
         cells = [r["cache"], f"{r['rate']:g}"]
         for name, _, _ in FIGURES:
             e = r["err"][name]
-            cells.append(f"{r['live'][name]:.4g} / {r['sim'][name]:.4g} ({'-' if e is None else f'{e:+.0%}'})")
-        cells.append(f"{r['live']['preemptions']} / {r['sim']['preemptions']}")
-        cells.append(f"{r['load_before'][0]:.2f} / {r['load_after'][0]:.2f}")
-        cells.append(f"{r['read_gbps'][0]:.0f} / {r['read_gbps'][1]:.0f}")
+            cells.append(f"{r['live'][name]:.4g}{span(name, lambda x: f'{x:.3g}')} / {r['sim'][name]:.4g} "
+                         f"({'-' if e is None else f'{e:+.0%}'})")
+        cells.append(f"{r['live']['preemptions']:g}{span('preemptions', lambda x: f'{x:g}')} / {r['sim']['preemptions']}")
+        cells.append(f"{min(r['load_before']):.2f} / {max(r['load_after']):.2f}")
+        cells.append(f"{min(r['read_gbps']):.0f}-{max(r['read_gbps']):.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -117,8 +134,11 @@ def main() -> None:
     ap.add_argument("--serving", action="store_true", help="simulate --serving: charge the profile's serving section")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--repeat", type=int, default=1, help="live runs of each trace (fresh servers each pass); rows show their medians and range")
     ap.add_argument("--live", type=Path, help="simulate the traces of this earlier --json's live rows; start no server")
     a = ap.parse_args()
+    if a.repeat < 1:
+        raise SystemExit("error: --repeat must be at least 1")
     if a.live:
         return replay(a)
     rates = [float(x) for x in a.rates.split(",")]
@@ -129,29 +149,41 @@ def main() -> None:
     rows = []
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
+    runs: dict[tuple[str, float], list[tuple[dict, dict]]] = {}  # (cache, rate): each pass's figures, conditions
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for cache in caches:
+        traces = {}
+        for rate in rates:
+            traces[rate] = tmp / f"trace-{rate:g}.jsonl"
+            write_trace(generate_trace(a.num_requests, a.input_len, a.output_len, arrivals="poisson", rate=rate,
+                                       seed=a.seed), str(traces[rate]))
+        warm = tmp / "warm.jsonl"
+        write_trace(generate_trace(6, a.input_len, a.output_len, seed=a.seed + 999), str(warm))
+        for n in range(a.repeat):
+            for cache in caches:
+                with ServerProc("--model", a.model, *CACHES[cache], "-q") as server:
+                    run(cli("load", "--url", server.v1, "--trace", str(warm), "-q"))  # first-call costs
+                    for rate in rates:
+                        before, gbps = os.getloadavg(), read_bandwidth()
+                        lv = live(server, traces[rate], tmp)
+                        cond = {"load_before": before[0], "load_after": os.getloadavg()[0],
+                                "read_gbps": [gbps, read_bandwidth()]}
+                        runs.setdefault((cache, rate), []).append((lv, cond))
+                        print(f"pass {n + 1}/{a.repeat} {cache} {rate:g} req/s: live "
+                              + ", ".join(f"{k} {v:.4g}" for k, v in lv.items()), file=sys.stderr, flush=True)
+        for (cache, rate), passes in runs.items():
             flags = CACHES[cache]
-            with ServerProc("--model", a.model, *flags, "-q") as server:
-                warm = tmp / "warm.jsonl"
-                write_trace(generate_trace(6, a.input_len, a.output_len, seed=a.seed + 999), str(warm))
-                run(cli("load", "--url", server.v1, "--trace", str(warm), "-q"))  # first-call costs
-                for rate in rates:
-                    trace = tmp / f"trace-{rate:g}.jsonl"
-                    write_trace(generate_trace(a.num_requests, a.input_len, a.output_len, arrivals="poisson",
-                                               rate=rate, seed=a.seed), str(trace))
-                    before, gbps = os.getloadavg(), read_bandwidth()
-                    lv = live(server, trace, tmp)
-                    gbps = [gbps, read_bandwidth()]
-                    sm = simulated(flags, a.model, a.cost_profile, a.serving, trace, tmp)
-                    row = {"cache": cache, "rate": rate, "live": lv, "sim": sm, "err": errors(lv, sm),
-                           "load_before": before, "load_after": os.getloadavg(), "read_gbps": gbps}
-                    if a.serving:  # and what the offline model alone says, to show the term's share
-                        off = simulated(flags, a.model, a.cost_profile, False, trace, tmp)
-                        row |= {"sim_offline_model": off, "err_offline_model": errors(lv, off)}
-                    rows.append(row)
-                    print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+            lv, spread = median_runs([p for p, _ in passes])
+            sm = simulated(flags, a.model, a.cost_profile, a.serving, traces[rate], tmp)
+            row = {"cache": cache, "rate": rate, "live": lv, "sim": sm, "err": errors(lv, sm),
+                   "load_before": [c["load_before"] for _, c in passes], "load_after": [c["load_after"] for _, c in passes],
+                   "read_gbps": [g for _, c in passes for g in c["read_gbps"]]}
+            if a.repeat > 1:
+                row |= {"live_runs": [p for p, _ in passes], "live_range": spread}
+            if a.serving:  # and what the offline model alone says, to show the term's share
+                off = simulated(flags, a.model, a.cost_profile, False, traces[rate], tmp)
+                row |= {"sim_offline_model": off, "err_offline_model": errors(lv, off)}
+            rows.append(row)
     print(table(rows), file=sys.stderr)
     if profile_gbps:
         print(f"the profile's host read bandwidth: {bandwidth_words(profile_gbps)}", file=sys.stderr)
@@ -161,7 +193,7 @@ def main() -> None:
             "commit": commit, "model": a.model, "cost_profile": a.cost_profile or "shipped default",
             "cost_profile_read_gbps": profile_gbps, "serving": a.serving,
             "workload": {"num_requests": a.num_requests, "input_len": a.input_len, "output_len": a.output_len,
-                         "arrivals": "poisson", "seed": a.seed},
+                         "arrivals": "poisson", "seed": a.seed}, "repeat": a.repeat,
             "caches": {c: CACHES[c] for c in caches}, "command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")
 
 
@@ -173,6 +205,8 @@ def replay(a) -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for r in before["rows"]:
+            if "repeat" not in before:  # a file from before --repeat: one pass, the load average's three figures
+                r = r | {"load_before": r["load_before"][:1], "load_after": r["load_after"][:1]}
             trace = tmp / "trace.jsonl"
             write_trace(generate_trace(w["num_requests"], w["input_len"], w["output_len"], arrivals="poisson",
                                        rate=r["rate"], seed=w["seed"]), str(trace))
