@@ -111,3 +111,25 @@ def test_bits_compare_refuses_an_unreadable_file_in_one_sentence(tmp_path):
     bad.write_text("not json")
     p = compare(bad, bad)
     assert p.returncode == 2 and p.stdout == "" and len(p.stderr.strip().splitlines()) == 1
+
+
+def live_figures(tok_s, ttft50, ttft90, tpot50, preemptions):
+    return {"out tok/s": tok_s, "TTFT p50 s": ttft50, "TTFT p90 s": ttft90, "TPOT p50 s": tpot50,
+            "preemptions": preemptions, "num_failed": 0}
+
+
+def test_sim_vs_live_repeats_compare_with_the_live_medians_and_show_their_range():
+    svl = script("sim_vs_live")
+    runs = [live_figures(100.0, 0.2, 0.5, 0.010, 5), live_figures(90.0, 0.4, 0.3, 0.030, 9),
+            live_figures(110.0, 0.3, 0.4, 0.020, 4)]
+    med, spread = svl.median_runs(runs)
+    assert med == live_figures(100.0, 0.3, 0.4, 0.020, 5)  # each figure's own median, not one run's
+    assert spread["TTFT p50 s"] == [0.2, 0.4] and spread["preemptions"] == [4, 9]
+    sim = live_figures(110.0, 0.3, 0.2, 0.025, 6)
+    err = svl.errors(med, sim)
+    assert err == {"out tok/s": 0.1, "TTFT p50 s": 0.0, "TTFT p90 s": -0.5, "TPOT p50 s": 0.25}
+    row = {"cache": "slot", "rate": 4.0, "live": med, "sim": sim, "err": err, "live_range": spread,
+           "load_before": [0.5, 0.7, 0.6], "load_after": [1.0, 0.9, 1.2], "read_gbps": [50.0, 80.0, 60.0, 70.0, 55.0, 85.0]}
+    line = svl.table([row]).splitlines()[-1]
+    assert "0.3 [0.2-0.4] / 0.3 (+0%)" in line and "5 [4-9] / 6" in line
+    assert "0.50 / 1.20" in line and "50-85" in line  # the passes' lowest load before, highest after
