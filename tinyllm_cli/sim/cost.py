@@ -565,20 +565,25 @@ def calibrate(llm, kinds=("paged", "slot"), quiet: bool = False, scale: float = 
         llm.reconfigure(config=dataclasses.replace(llm.config, cache=c))
         for _ in llm.run(requests_for(random_prompts(mcfg, 4, 64, 0.5, seed=99), 8)):
             pass  # warm-up, untimed: first-call costs must not land on a sample
-        runs = []
-        for i in range(len(CALIBRATION)):
-            runs.append(_time_workload(llm, kind, i, scale, source))
+    # Each workload on every cache kind in turn, not one kind's workloads and then the other's: a
+    # shared host's state moves a few-row step by up to 50% from one minute to the next (one-row
+    # steps timed at 12.5 ms on the paged cache and 7.8 ms on the slot cache a minute later, the
+    # same computation but for attention), and the kinds' profiles must see the same moments.
+    runs: dict[str, list] = {kind: [] for kind in kinds}
+    for i in range(len(CALIBRATION)):
+        for kind in kinds:
+            runs[kind].append(_time_workload(llm, kind, i, scale, source))
             if not quiet:
-                print(f"calibrate {kind}: workload {i + 1}/{len(CALIBRATION)}, {sum(map(len, runs))} steps timed",
+                print(f"calibrate {kind}: workload {i + 1}/{len(CALIBRATION)}, {sum(map(len, runs[kind]))} steps timed",
                       file=sys.stderr)
-
+    for kind in kinds:
         def again(w, kind=kind):
             if not quiet:
                 print(f"calibrate {kind}: retiming outlier steps of workload {w + 1}", file=sys.stderr)
             return _time_workload(llm, kind, w, scale, source)
 
-        coefs[kind], fits[kind] = fit_checked(runs, again)
-        samples[kind] = [[round(x, 3) for x in f] + [round(t, 6)] for run in runs for f, t in run]
+        coefs[kind], fits[kind] = fit_checked(runs[kind], again)
+        samples[kind] = [[round(x, 3) for x in f] + [round(t, 6)] for run in runs[kind] for f, t in run]
     facts = rt.facts()
     poor = any(f["quality"] == "poor" for f in fits.values())
     return CostModel(coefs=coefs, model=facts["model"], dtype=facts["dtype"], device=facts["device"],
