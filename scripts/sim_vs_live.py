@@ -77,6 +77,14 @@ def figures(summary: dict, preemptions) -> dict:
     return out | {"preemptions": preemptions, "num_failed": summary["num_failed"]}
 
 
+def rate_trace(path: Path, workload: dict, rate: float) -> Path:
+    """Write one rate's seeded Poisson trace (``workload``: the JSON's num_requests, input_len,
+    output_len and seed) to ``path``: the live run and every replay of it simulate the same one."""
+    write_trace(generate_trace(workload["num_requests"], workload["input_len"], workload["output_len"],
+                               arrivals="poisson", rate=rate, seed=workload["seed"]), str(path))
+    return path
+
+
 def live(server: ServerProc, trace: Path, tmp: Path) -> dict:
     out = tmp / "load.json"
     run(cli("load", "--url", server.v1, "--trace", str(trace), "--server-metrics", "--json", str(out), "-q"))
@@ -149,14 +157,12 @@ def main() -> None:
     rows = []
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
+    workload = {"num_requests": a.num_requests, "input_len": a.input_len, "output_len": a.output_len,
+                "arrivals": "poisson", "seed": a.seed}
     runs: dict[tuple[str, float], list[tuple[dict, dict]]] = {}  # (cache, rate): each pass's figures, conditions
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        traces = {}
-        for rate in rates:
-            traces[rate] = tmp / f"trace-{rate:g}.jsonl"
-            write_trace(generate_trace(a.num_requests, a.input_len, a.output_len, arrivals="poisson", rate=rate,
-                                       seed=a.seed), str(traces[rate]))
+        traces = {rate: rate_trace(tmp / f"trace-{rate:g}.jsonl", workload, rate) for rate in rates}
         warm = tmp / "warm.jsonl"
         write_trace(generate_trace(6, a.input_len, a.output_len, seed=a.seed + 999), str(warm))
         for n in range(a.repeat):
@@ -192,8 +198,7 @@ def main() -> None:
             "kind": "sim_vs_live", "cpu": cpu_name(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
             "commit": commit, "model": a.model, "cost_profile": a.cost_profile or "shipped default",
             "cost_profile_read_gbps": profile_gbps, "serving": a.serving,
-            "workload": {"num_requests": a.num_requests, "input_len": a.input_len, "output_len": a.output_len,
-                         "arrivals": "poisson", "seed": a.seed}, "repeat": a.repeat,
+            "workload": workload, "repeat": a.repeat,
             "caches": {c: CACHES[c] for c in caches}, "command": " ".join(sys.argv), "rows": rows}, indent=2) + "\n")
 
 
@@ -207,9 +212,7 @@ def replay(a) -> None:
         for r in before["rows"]:
             if "repeat" not in before:  # a file from before --repeat: one pass, the load average's three figures
                 r = r | {"load_before": r["load_before"][:1], "load_after": r["load_after"][:1]}
-            trace = tmp / "trace.jsonl"
-            write_trace(generate_trace(w["num_requests"], w["input_len"], w["output_len"], arrivals="poisson",
-                                       rate=r["rate"], seed=w["seed"]), str(trace))
+            trace = rate_trace(tmp / "trace.jsonl", w, r["rate"])
             sm = simulated(before["caches"][r["cache"]], before["model"], a.cost_profile, a.serving, trace, tmp)
             rows.append({k: v for k, v in r.items() if k not in ("sim_offline_model", "err_offline_model")}
                         | {"sim": sm, "err": errors(r["live"], sm)})

@@ -284,7 +284,7 @@ def two_planes(X: list[list[float]], y: list[float]) -> list[list[float]]:
     moves (at most 50 rounds), from each of the ``SPLIT_TOKENS`` starts; the best by squared
     error. One plane (``one_plane``) when no start leaves both sides enough steps to fit (twice
     the features)."""
-    best, best_sse = one_plane(X, y), math.inf
+    best, best_sse = None, math.inf
     for split in SPLIT_TOKENS:
         low, planes = [f[1] + f[3] < split for f in X], None
         for _ in range(50):
@@ -300,7 +300,7 @@ def two_planes(X: list[list[float]], y: list[float]) -> list[list[float]]:
             sse = sum((t - predict(planes, f)) ** 2 for f, t in zip(X, y))
             if sse < best_sse:
                 best, best_sse = planes, sse
-    return best
+    return best if best is not None else one_plane(X, y)
 
 
 def fit_planes(X: list[list[float]], y: list[float], keep_always=None,
